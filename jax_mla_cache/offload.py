@@ -1,0 +1,186 @@
+"""Host tier: copy token rows of every layer to host memory and back.
+
+`get_cpu_copy` gathers rows `token_indices` of every layer and buffer, in chunks
+of `chunk_size` tokens (the seed's `offload_chunk_page_num`, 1024), into host
+memory (the `pinned_host` memory kind where the device has one; H200 offers
+`device` and `pinned_host` only). It returns at once: the transfer runs
+asynchronously and the arrays block when read. `load_cpu_copy` writes such a copy
+back into the same or other rows. The round trip is bit-exact (raw stored bytes:
+fp8 codes and scales, no requantization).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mla_cache import reference
+from jax_mla_cache.dispatch import _check_cache, check_loc
+from jax_mla_cache.state import MLAKVCache
+
+OFFLOAD_CHUNK_TOKENS = 1024
+"""The seed's `offload_chunk_page_num`: tokens per host chunk."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HostCopy:
+  """Rows of every layer in host memory: `chunks[layer][chunk][buffer]`.
+
+  Each leaf is (n, 1, width) in the buffer's dtype with `n <= chunk_size` (the
+  last chunk holds the remainder). Indexing a HostCopy by layer gives that
+  layer's chunks, like the seed's nested lists.
+  """
+
+  chunks: tuple[tuple[tuple[jax.Array, ...], ...], ...]
+  token_count: int = dataclasses.field(metadata=dict(static=True))
+  chunk_size: int = dataclasses.field(metadata=dict(static=True))
+
+  def __getitem__(self, layer_id: int):
+    return self.chunks[layer_id]
+
+  def __len__(self) -> int:
+    return len(self.chunks)
+
+  def block_until_ready(self) -> "HostCopy":
+    jax.block_until_ready(self.chunks)
+    return self
+
+  @property
+  def nbytes(self) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(self.chunks))
+
+
+def host_memory_kind(device: Any = None) -> str | None:
+  """`pinned_host` when the device offers it (GPU, CPU), else None (stay on device)."""
+  device = device or jax.devices()[0]
+  try:
+    kinds = {m.kind for m in device.addressable_memories()}
+  except Exception:  # backends without memory kinds
+    return None
+  return "pinned_host" if "pinned_host" in kinds else None
+
+
+def _chunk_bounds(tokens: int, chunk_size: int) -> tuple[tuple[int, int], ...]:
+  return tuple((s, min(s + chunk_size, tokens)) for s in range(0, tokens, chunk_size))
+
+
+def _host_sharding(buf: jax.Array, memory_kind: str | None):
+  sharding = buf.sharding
+  return sharding if memory_kind is None else sharding.with_memory_kind(memory_kind)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size",))
+def _gather_chunks(cache: MLAKVCache, idx: jax.Array, chunk_size: int):
+  bounds = _chunk_bounds(idx.shape[0], chunk_size)
+  return tuple(
+      tuple(tuple(reference.gather_rows(buf, idx[s:e]) for buf in layer) for s, e in bounds)
+      for layer in cache.buffers
+  )
+
+
+@functools.lru_cache(maxsize=64)
+def _gather_to(out_shardings):
+  """`_gather_chunks` compiled to write its outputs with `out_shardings` (host memory)."""
+  return jax.jit(
+      _gather_chunks.__wrapped__, static_argnames=("chunk_size",), out_shardings=out_shardings
+  )
+
+
+def _as_indices(token_indices: Any, name: str, op: str) -> jax.Array:
+  if isinstance(token_indices, (list, tuple, range)):
+    token_indices = np.asarray(token_indices, dtype=np.int32).reshape(-1)
+  return check_loc(token_indices, name, op)
+
+
+def get_cpu_copy(
+    cache: MLAKVCache,
+    token_indices: Sequence[int] | jax.Array,
+    *,
+    chunk_size: int = OFFLOAD_CHUNK_TOKENS,
+    memory_kind: str | None = "auto",
+) -> HostCopy:
+  """Copy rows `token_indices` (T,) of every layer/buffer to host memory.
+
+  Asynchronous: returns before the copy finishes; reading a leaf (or
+  `HostCopy.block_until_ready()`) waits. Out-of-range indices copy zeros.
+  `memory_kind`: "auto" (pinned_host when available), a memory kind, or None.
+  The cache is not modified or donated.
+  """
+  op = "get_cpu_copy"
+  _check_cache(cache, op)
+  idx = _as_indices(token_indices, "token_indices", op)
+  if chunk_size <= 0:
+    raise ValueError(f"{op}: chunk_size must be positive, got {chunk_size}")
+  tokens = int(idx.shape[0])
+  if tokens == 0:
+    return HostCopy(chunks=tuple(() for _ in cache.buffers), token_count=0, chunk_size=chunk_size)
+  if memory_kind == "auto":
+    memory_kind = host_memory_kind(next(iter(cache.buffers[0][0].devices())))
+  # Where the gathered rows land: the buffers' sharding, moved to host memory.
+  out_shardings = tuple(
+      tuple(tuple(_host_sharding(buf, memory_kind) for buf in layer)
+            for _ in _chunk_bounds(tokens, chunk_size))
+      for layer in cache.buffers
+  )
+  gather = _gather_to(out_shardings) if memory_kind is not None else _gather_chunks
+  chunks = gather(cache, idx, chunk_size=chunk_size)
+  return HostCopy(chunks=chunks, token_count=tokens, chunk_size=chunk_size)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _scatter_chunks(cache: MLAKVCache, chunks, idx: jax.Array) -> MLAKVCache:
+  chunk_size = chunks[0][0][0].shape[0] if chunks and chunks[0] else 1
+  bounds = _chunk_bounds(idx.shape[0], chunk_size)
+  new_layers = []
+  for layer, layer_chunks in zip(cache.buffers, chunks):
+    new = list(layer)
+    for (s, e), chunk in zip(bounds, layer_chunks):
+      for k, rows in enumerate(chunk):
+        rows = jax.device_put(rows, jax.memory.Space.Device)
+        new[k] = reference.scatter_rows(new[k], idx[s:e], rows)
+    new_layers.append(tuple(new))
+  return dataclasses.replace(cache, buffers=tuple(new_layers))
+
+
+def load_cpu_copy(
+    cache: MLAKVCache,
+    host_copy: HostCopy,
+    token_indices: Sequence[int] | jax.Array,
+) -> MLAKVCache:
+  """Write a `HostCopy` back into rows `token_indices` (donates `cache`).
+
+  `token_indices` must have the copy's length (the rows may differ from the ones
+  copied out). Out-of-range indices are skipped.
+  """
+  op = "load_cpu_copy"
+  _check_cache(cache, op)
+  if not isinstance(host_copy, HostCopy):
+    raise TypeError(f"{op}: host_copy must be a HostCopy, got {type(host_copy).__name__}")
+  idx = _as_indices(token_indices, "token_indices", op)
+  if idx.shape[0] != host_copy.token_count:
+    raise ValueError(
+        f"{op}: token_indices has {idx.shape[0]} entries, the host copy holds "
+        f"{host_copy.token_count} tokens"
+    )
+  if len(host_copy.chunks) != cache.config.layer_num:
+    raise ValueError(
+        f"{op}: host copy has {len(host_copy.chunks)} layers, the cache {cache.config.layer_num}"
+    )
+  for layer_chunks in host_copy.chunks:
+    for chunk in layer_chunks:
+      for rows, (shape, dtype) in zip(chunk, cache.config.buffer_shapes()):
+        if rows.dtype != dtype or tuple(rows.shape[1:]) != tuple(shape[1:]):
+          raise ValueError(
+              f"{op}: host copy rows {rows.dtype}{tuple(rows.shape)} do not fit cache "
+              f"buffers {jnp.dtype(dtype)}{tuple(shape)}"
+          )
+  if idx.shape[0] == 0:
+    return cache
+  return _scatter_chunks(cache, host_copy.chunks, idx)

@@ -1,0 +1,181 @@
+"""Plain XLA implementation of every cache op: the reference and the portable backend.
+
+Array-level functions (buffers in, buffers out), as the Pallas kernels in
+`pallas_kernels/`; `jax_mla_cache.dispatch` picks between them. Numerics follow
+SPEC §3 bit for bit:
+
+    amax  = max(|nope|)                          (f32, per token row)
+    scale = max(amax, 1e-26) * float32(1/448)    (a multiply, as PyTorch does)
+    q     = clip(nope / scale, -448, 448) -> float8_e4m3fn   (true f32 division, RNE)
+    rope' = (rope / scale) -> model_dtype                    (true f32 division, RNE)
+
+Out-of-range rows (negative or >= rows) are skipped on writes and read as zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+
+F32 = jnp.float32
+FP8_MAX = 448.0
+AMAX_FLOOR = np.float32(1e-26)
+INV_FP8_MAX = np.float32(1.0) / np.float32(FP8_MAX)
+
+
+def cast_to_storage(x: jax.Array, dtype) -> jax.Array:
+  """Cast to a storage dtype; fp8 saturates at the format's max finite value.
+
+  Rounding is round-to-nearest-even; NaN stays NaN (SPEC §3, plain fp8 storage).
+  """
+  dtype = jnp.dtype(dtype)
+  if dtype in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
+    limit = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(F32), -limit, limit).astype(dtype)
+  return x.astype(dtype)
+
+
+def _true_divide(x: jax.Array, per_row: jax.Array) -> jax.Array:
+  """`x / per_row` as an IEEE f32 division of every element.
+
+  XLA's algebraic simplifier rewrites `x / broadcast(y)` into `x * broadcast(1/y)`,
+  which rounds differently; hiding the broadcast behind an optimization barrier
+  keeps the true division (SPEC §3).
+  """
+  divisor = lax.optimization_barrier(jnp.broadcast_to(per_row, x.shape))
+  return x / divisor
+
+
+def quantize_per_token_head(
+    nope: jax.Array, rope: jax.Array, rope_dtype
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Quantize token rows as SPEC §3.
+
+  Args:
+    nope: (T, 1, R) any float dtype.
+    rope: (T, 1, Rr) any float dtype.
+    rope_dtype: storage dtype of the scaled rope (the model dtype).
+  Returns:
+    (q (T,1,R) float8_e4m3fn, scale (T,1,1) float32, rope_stored (T,1,Rr) rope_dtype).
+  """
+  nope = nope.astype(F32)
+  amax = jnp.max(jnp.abs(nope), axis=-1, keepdims=True)
+  scale = jnp.maximum(amax, AMAX_FLOOR) * INV_FP8_MAX
+  q = jnp.clip(_true_divide(nope, scale), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+  rope_stored = _true_divide(rope.astype(F32), scale).astype(rope_dtype)
+  return q, scale, rope_stored
+
+
+def dequantize_per_token_head(
+    q: jax.Array, scale: jax.Array, rope_stored: jax.Array, dst_dtype
+) -> tuple[jax.Array, jax.Array]:
+  """Inverse of `quantize_per_token_head`: (nope (T,1,R), rope (T,1,Rr)) in dst_dtype."""
+  nope = (q.astype(F32) * scale).astype(dst_dtype)
+  rope = (rope_stored.astype(F32) * scale).astype(dst_dtype)
+  return nope, rope
+
+
+def _masked(loc: jax.Array, rows: int) -> jax.Array:
+  """Map every index outside [0, rows) to `rows`, which scatter/gather modes drop/fill.
+
+  JAX would otherwise wrap negative indices (numpy semantics) onto real rows.
+  """
+  loc = loc.astype(jnp.int32)
+  return jnp.where((loc >= 0) & (loc < rows), loc, rows)
+
+
+def scatter_rows(buf: jax.Array, loc: jax.Array, values: jax.Array) -> jax.Array:
+  """`buf[loc[i]] = values[i]` for in-range `loc`; others skipped."""
+  return buf.at[_masked(loc, buf.shape[0])].set(values.astype(buf.dtype), mode="drop")
+
+
+def gather_rows(buf: jax.Array, loc: jax.Array) -> jax.Array:
+  """`buf[loc]`, zeros where `loc` is out of range."""
+  return buf.at[_masked(loc, buf.shape[0])].get(mode="fill", fill_value=0)
+
+
+# ----------------------------------------------------------------- row ops
+def set_rows(kv: jax.Array, loc: jax.Array, nope: jax.Array, rope: jax.Array) -> jax.Array:
+  """Plain storage: write `[nope | rope]` cast to `kv.dtype` at rows `loc`.
+
+  kv (rows,1,R+Rr); loc (T,) int; nope (T,1,R); rope (T,1,Rr).
+  """
+  row = jnp.concatenate(
+      [cast_to_storage(nope, kv.dtype), cast_to_storage(rope, kv.dtype)], axis=-1
+  )
+  return scatter_rows(kv, loc, row)
+
+
+def set_rows_per_token_head(
+    nope_buf: jax.Array, scale_buf: jax.Array, rope_buf: jax.Array,
+    loc: jax.Array, nope: jax.Array, rope: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """per_token_head storage: quantize (SPEC §3) and write the three buffers."""
+  q, scale, rope_stored = quantize_per_token_head(nope, rope, rope_buf.dtype)
+  return (
+      scatter_rows(nope_buf, loc, q),
+      scatter_rows(scale_buf, loc, scale),
+      scatter_rows(rope_buf, loc, rope_stored),
+  )
+
+
+def get_rows(
+    kv: jax.Array, loc: jax.Array, *, kv_lora_rank: int, dst_dtype
+) -> tuple[jax.Array, jax.Array]:
+  """Plain storage: gather rows `loc` as (nope (T,1,R), rope (T,1,Rr)) in dst_dtype."""
+  rows = gather_rows(kv, loc).astype(dst_dtype)
+  return rows[..., :kv_lora_rank], rows[..., kv_lora_rank:]
+
+
+def get_rows_per_token_head(
+    nope_buf: jax.Array, scale_buf: jax.Array, rope_buf: jax.Array, loc: jax.Array,
+    *, dst_dtype,
+) -> tuple[jax.Array, jax.Array]:
+  """per_token_head storage: gather and dequantize rows `loc`."""
+  return dequantize_per_token_head(
+      gather_rows(nope_buf, loc), gather_rows(scale_buf, loc), gather_rows(rope_buf, loc),
+      dst_dtype,
+  )
+
+
+# ----------------------------------------------------------------- moves
+def move_rows(
+    buffers: Sequence[jax.Array], tgt_loc: jax.Array, src_loc: jax.Array
+) -> tuple[jax.Array, ...]:
+  """`b[tgt[i]] = old_b[src[i]]` for every buffer (all reads before any write).
+
+  A pair is skipped when either index is out of range.
+  """
+  out = []
+  for buf in buffers:
+    rows = buf.shape[0]
+    src = _masked(src_loc, rows)
+    tgt = jnp.where(src < rows, _masked(tgt_loc, rows), rows)
+    out.append(buf.at[tgt].set(buf.at[src].get(mode="fill", fill_value=0), mode="drop"))
+  return tuple(out)
+
+
+def page_rows(pages: jax.Array, page_size: int, rows: int) -> jax.Array:
+  """Row indices of whole pages, (P,) -> (P*page_size,); a page not wholly inside
+  [0, rows) maps all its rows to -1 (skipped)."""
+  pages = pages.astype(jnp.int32)
+  valid = (pages >= 0) & (pages < rows // page_size)
+  idx = pages[:, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)[None, :]
+  return jnp.where(valid[:, None], idx, -1).reshape(-1)
+
+
+def move_pages(
+    buffers: Sequence[jax.Array], tgt_pages: jax.Array, src_pages: jax.Array, *,
+    page_size: int,
+) -> tuple[jax.Array, ...]:
+  """Whole-page moves with the same snapshot semantics as `move_rows`."""
+  if not buffers:
+    return ()
+  rows = buffers[0].shape[0]
+  return move_rows(
+      buffers, page_rows(tgt_pages, page_size, rows), page_rows(src_pages, page_size, rows)
+  )
