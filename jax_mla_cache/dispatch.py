@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -63,6 +64,22 @@ def _kernels():
   import pallas_kernels  # imported lazily: the XLA path needs no Pallas
 
   return pallas_kernels
+
+
+def _public(jitted: Callable) -> Callable:
+  """The public op: checks the cache type and turns index lists into arrays before
+  the jitted function (whose own checks run at trace time, before anything runs)."""
+  name = jitted.__name__.lstrip("_")
+
+  @functools.wraps(jitted)
+  def op(cache, *args, **kwargs):
+    _check_cache(cache, name)
+    args = tuple(np.asarray(a) if isinstance(a, (list, tuple, range)) else a for a in args)
+    return jitted(cache, *args, **kwargs)
+
+  op.__name__ = op.__qualname__ = name
+  op.jitted = jitted
+  return op
 
 
 # ----------------------------------------------------------------- validation
@@ -147,7 +164,7 @@ def _write_layer(
 @functools.partial(
     jax.jit, static_argnames=("layer_id", "implementation"), donate_argnames=("cache",)
 )
-def set_mla_kv_buffer(
+def _set_mla_kv_buffer(
     cache: MLAKVCache,
     layer_id: int,
     loc: jax.Array,
@@ -188,7 +205,7 @@ def set_mla_kv_buffer(
 @functools.partial(
     jax.jit, static_argnames=("layer_id", "implementation"), donate_argnames=("cache",)
 )
-def set_kv_buffer(
+def _set_kv_buffer(
     cache: MLAKVCache,
     layer_id: int,
     loc: jax.Array,
@@ -212,7 +229,7 @@ def set_kv_buffer(
 
 # ----------------------------------------------------------------- reads
 @functools.partial(jax.jit, static_argnames=("layer_id", "dst_dtype", "implementation"))
-def get_mla_kv_buffer(
+def _get_mla_kv_buffer(
     cache: MLAKVCache,
     layer_id: int,
     loc: jax.Array,
@@ -263,7 +280,7 @@ def _check_pair(tgt: Any, src: Any, op: str, names=("tgt_loc", "src_loc")):
 
 
 @functools.partial(jax.jit, static_argnames=("implementation",), donate_argnames=("cache",))
-def move_kv_cache(
+def _move_kv_cache(
     cache: MLAKVCache,
     tgt_loc: jax.Array,
     src_loc: jax.Array,
@@ -286,7 +303,7 @@ def move_kv_cache(
 
 
 @functools.partial(jax.jit, static_argnames=("implementation",), donate_argnames=("cache",))
-def move_kv_pages(
+def _move_kv_pages(
     cache: MLAKVCache,
     tgt_pages: jax.Array,
     src_pages: jax.Array,
@@ -307,3 +324,10 @@ def move_kv_pages(
   backend = reference if impl == "xla" else _kernels()
   moved = backend.move_pages(cache.flat_buffers(), tgt, src, page_size=cache.config.page_size)
   return cache.with_flat_buffers(tuple(moved))
+
+
+set_mla_kv_buffer = _public(_set_mla_kv_buffer)
+set_kv_buffer = _public(_set_kv_buffer)
+get_mla_kv_buffer = _public(_get_mla_kv_buffer)
+move_kv_cache = _public(_move_kv_cache)
+move_kv_pages = _public(_move_kv_pages)

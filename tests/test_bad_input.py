@@ -1,0 +1,81 @@
+"""SPEC §5: clear errors at trace time, nothing written."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_mla_cache as mc
+
+
+@pytest.fixture
+def cache():
+  return mc.init_cache(mc.SMALL)
+
+
+def nope(t=2, w=512, dtype=jnp.float32):
+  return jnp.ones((t, 1, w), dtype)
+
+
+def rope(t=2, w=64, dtype=jnp.float32):
+  return jnp.ones((t, 1, w), dtype)
+
+
+LOC = jnp.array([1, 2])
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda c: mc.set_mla_kv_buffer(c, 2, LOC, nope(), rope()), ValueError, r"layer_id must be in \[0, 2\), got 2"),
+    (lambda c: mc.set_mla_kv_buffer(c, -1, LOC, nope(), rope()), ValueError, "layer_id"),
+    (lambda c: mc.set_mla_kv_buffer(c, 0.5, LOC, nope(), rope()), TypeError, "layer_id must be an int"),
+    (lambda c: mc.set_mla_kv_buffer(c, 0, LOC, nope(w=256), rope()), ValueError, r"cache_k_nope must have shape \(T, 1, 512\)"),
+    (lambda c: mc.set_mla_kv_buffer(c, 0, LOC, nope(t=3), rope()), ValueError, "T = len\\(loc\\) = 2"),
+    (lambda c: mc.set_mla_kv_buffer(c, 0, LOC, nope(), rope(w=32)), ValueError, "cache_k_rope"),
+    (lambda c: mc.set_mla_kv_buffer(c, 0, LOC, nope().reshape(2, 512), rope()), ValueError, "cache_k_nope"),
+    (lambda c: mc.set_mla_kv_buffer(c, 0, LOC, nope(dtype=jnp.int32), rope()), TypeError, "float dtype"),
+    (lambda c: mc.set_mla_kv_buffer(c, 0, jnp.array([1.0, 2.0]), nope(), rope()), TypeError, "loc must have an integer dtype"),
+    (lambda c: mc.set_mla_kv_buffer(c, 0, jnp.ones((2, 2), jnp.int32), nope(), rope()), ValueError, r"loc must have shape \(T,\)"),
+    (lambda c: mc.set_kv_buffer(c, 0, LOC, nope(w=512)), ValueError, r"cache_k must have shape \(T, 1, 576\)"),
+    (lambda c: mc.get_mla_kv_buffer(c, 0, LOC, jnp.int8), TypeError, "dst_dtype must be a float dtype"),
+    (lambda c: mc.move_kv_cache(c, LOC, jnp.array([1])), ValueError, "same length"),
+    (lambda c: mc.move_kv_pages(c, LOC, jnp.array([1.0, 2.0])), TypeError, "src_pages"),
+    (lambda c: mc.set_mla_kv_buffer(c, 0, LOC, nope(), rope(), implementation="triton"), ValueError, "implementation must be"),
+    (lambda c: mc.set_mla_kv_buffer("cache", 0, LOC, nope(), rope()), TypeError, "must be an MLAKVCache"),
+])
+def test_errors_name_the_argument(cache, call, exc, match):
+  before = jax.tree.map(np.asarray, cache)
+  with pytest.raises(exc, match=match):
+    call(cache)
+  # Nothing was written (and on error the donated buffers were not consumed).
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(cache)):
+    np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_traced_layer_id_is_rejected(cache):
+  @jax.jit
+  def f(c, layer):
+    return mc.dispatch.check_layer_id(c, layer, "op")
+
+  with pytest.raises(TypeError, match="static Python int"):
+    f(cache, 0)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(quant_method="fp8_ds_mla"), ValueError, "quant_method must be one of"),
+    (dict(quant_method="per_token_head"), ValueError, "needs dtype=float8_e4m3fn"),
+    (dict(dtype=jnp.int8), ValueError, "dtype must be one of"),
+    (dict(model_dtype=jnp.float8_e4m3fn), ValueError, "model_dtype"),
+    (dict(layer_num=0), ValueError, "layer_num must be positive"),
+    (dict(page_size=2.5), TypeError, "page_size must be an int"),
+    (dict(dtype="not-a-dtype"), TypeError, "dtype must be a JAX dtype"),
+])
+def test_config_errors(kwargs, exc, match):
+  with pytest.raises(exc, match=match):
+    mc.SMALL.replace(**kwargs)
+
+
+def test_config_is_hashable_and_static():
+  assert hash(mc.SMALL) == hash(mc.SMALL.replace())
+  assert mc.SMALL.rows == 208 and mc.SMALL.kv_cache_dim == 576
+  treedef = jax.tree.structure(mc.init_cache(mc.SMALL))
+  assert treedef.num_leaves == 2
