@@ -109,9 +109,10 @@ def move_rows(
   if plan is not None:
     count = plan[-1].first_job + plan[-1].num_bands
     tgt, src = _pad(tgt, src, _BULK_ALIGN // 4)
+    run = functools.partial(_staged_move, plan=plan, num_jobs=count, pdl=pdl)
     return _on_platform(
-        functools.partial(_staged_move, plan=plan, num_jobs=count, pdl=pdl),
-        buffers, [bands.narrow for bands in plan], tgt, src)
+        functools.partial(_in_place, run, [bands.narrow for bands in plan]),
+        buffers, tgt, src)
   return _two_pass(buffers, tgt, src, unit_rows=1, pdl=pdl, tiling=tiling)
 
 
@@ -209,30 +210,32 @@ def _endangered(tgt, src):
 # Platform dispatch and refs
 
 
-def _on_platform(run: Callable, buffers, narrow: Sequence[bool], *args):
-  """Runs ``run(refs, *args, interpret=...)`` on refs to views of ``buffers``.
+def _on_platform(fn: Callable, *args):
+  """Calls ``fn(interpret, *args)`` (arrays in, arrays out) for the lowering platform.
 
-  Returns the buffers, frozen and in their own shapes. The real kernel runs for CUDA (also
-  when lowering for CUDA on a host without a GPU); for CPU, Mosaic GPU interpret mode runs
-  inside a ``pure_callback``. (Interpret mode has an ordered IO effect; ``cond`` lowering
-  keeps only the branch of the lowering platform but still expects that effect's token, so
-  a bare interpret branch breaks CUDA lowering. The callback hides the effect.)
+  The real kernel runs for CUDA (also when lowering for CUDA on a host without a GPU); for
+  CPU, Mosaic GPU interpret mode runs inside a ``pure_callback``. (Interpret mode has an
+  ordered IO effect; ``cond`` lowering keeps only the branch of the lowering platform but
+  still expects that effect's token, so a bare interpret branch breaks CUDA lowering. The
+  callback hides the effect.)
   """
+  out_types = jax.eval_shape(functools.partial(fn, None), *args)
+  interpret = jax.jit(functools.partial(fn, plgpu.InterpretGPUParams()))
 
-  def run_on_refs(interpret, buffers, *args):
-    refs = [jax.new_ref(_rows_view(b, narrow=n)) for b, n in zip(buffers, narrow)]
-    run(refs, *args, interpret=interpret)
-    return tuple(jax.freeze(r).reshape(b.shape) for r, b in zip(refs, buffers))
+  def on_cpu(*args):
+    return jax.pure_callback(lambda *a: jax.device_get(interpret(*a)), out_types, *args)
 
-  interpret = jax.jit(functools.partial(run_on_refs, plgpu.InterpretGPUParams()))
-  out_types = tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers)
+  return jax.lax.platform_dependent(*args, cpu=on_cpu, cuda=functools.partial(fn, None))
 
-  def on_cpu(buffers, *args):
-    return jax.pure_callback(lambda *a: jax.device_get(interpret(*a)), out_types, buffers,
-                             *args)
 
-  return jax.lax.platform_dependent(
-      buffers, *args, cpu=on_cpu, cuda=functools.partial(run_on_refs, None))
+def _in_place(run: Callable, narrow: Sequence[bool], interpret, buffers, *args):
+  """Runs ``run(refs, *args, interpret=...)`` on refs to kernel views of ``buffers``.
+
+  Returns the buffers, frozen and in their own shapes (the kernel aliases them).
+  """
+  refs = [jax.new_ref(_rows_view(b, narrow=n)) for b, n in zip(buffers, narrow)]
+  run(refs, *args, interpret=interpret)
+  return tuple(jax.freeze(r).reshape(b.shape) for r, b in zip(refs, buffers))
 
 
 def _rows_view(buffer, *, narrow: bool):
@@ -416,6 +419,191 @@ def _move_narrow_rows(buffer, tgt_smem, src_smem, tokens, rows, window):
 # Two-pass moves: save endangered sources, then move every pair
 
 
+def _item_rows(buffers, unit_rows: int, tiling: MoveTiling) -> int:
+  """Rows per item: a divisor of ``unit_rows`` that keeps every buffer's item 16-byte sized."""
+  row_bytes = [math.prod(b.shape[1:]) * b.dtype.itemsize for b in buffers]
+  limit = max(1, tiling.two_pass_smem_bytes // (4 * max(row_bytes)))
+  for rows in range(min(unit_rows, limit), 0, -1):
+    if unit_rows % rows == 0 and all(rows * r % _BULK_ALIGN == 0 for r in row_bytes):
+      return rows
+  return 1  # one-element buffers then take the narrow path
+
+
 def _two_pass(buffers, tgt, src, *, unit_rows: int, pdl: bool, tiling: MoveTiling):
-  del buffers, tgt, src, unit_rows, pdl, tiling
-  raise NotImplementedError("two-pass path: next step")
+  """Pass 1 saves endangered sources to temporaries; pass 2 moves every pair."""
+  rows = buffers[0].shape[0]
+  item_rows = _item_rows(buffers, unit_rows, tiling)
+  narrow = [_is_narrow(b, item_rows) for b in buffers]
+  blocks = unit_rows // item_rows
+  item_bytes = max(math.prod(b.shape[1:]) * b.dtype.itemsize * item_rows for b in buffers)
+  per_program = max(4, min(tiling.max_items_per_program,
+                           tiling.two_pass_smem_bytes // item_bytes) // 4 * 4)
+  # Per item (unit j, block s): first source row, first target row (-1: skip), saved?
+  save = _endangered(tgt, src)
+  offset = jnp.arange(blocks, dtype=jnp.int32) * item_rows
+  item_src = (src[:, None] * unit_rows + offset).reshape(-1)
+  item_tgt = jnp.where(tgt[:, None] >= 0, tgt[:, None] * unit_rows + offset, -1).reshape(-1)
+  item_save = jnp.broadcast_to(save[:, None], (save.shape[0], blocks)).reshape(-1)
+  extra = -item_src.shape[0] % per_program
+  item_src = jnp.pad(item_src, (0, extra))
+  item_tgt = jnp.pad(item_tgt, (0, extra), constant_values=-1)
+  item_save = jnp.pad(item_save, (0, extra))
+  num_items = item_src.shape[0]
+  shape = dict(num_items=num_items, per_program=per_program, item_rows=item_rows,
+               rows=rows, pdl=pdl)
+  views = [_rows_view(b, narrow=n) for b, n in zip(buffers, narrow)]
+  temps = _on_platform(
+      functools.partial(_save_endangered, narrow=narrow, **shape),
+      views, item_src, item_save)
+  run = functools.partial(_move_items, narrow=narrow, **shape)
+  return _on_platform(functools.partial(_in_place, run, narrow),
+                      buffers, item_src, item_tgt, item_save, temps)
+
+
+def _temp_type(view, narrow: bool, num_items: int, item_rows: int):
+  if narrow:
+    return jax.ShapeDtypeStruct((num_items, _window(view.dtype)), view.dtype)
+  return jax.ShapeDtypeStruct((num_items * item_rows, view.shape[1]), view.dtype)
+
+
+def _stage_type(view, narrow: bool, per_program: int, item_rows: int):
+  if narrow:
+    return plgpu.SMEM((per_program, _window(view.dtype)), view.dtype)
+  return plgpu.SMEM((per_program, item_rows, view.shape[1]), view.dtype)
+
+
+def _load_indices(pairs, barrier):
+  """Copies ``(gmem, smem)`` index chunks into shared memory and waits for them."""
+  for gmem, smem in pairs:
+    plgpu.copy_gmem_to_smem(gmem, smem, barrier,
+                            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+  plgpu.barrier_wait(barrier)
+
+
+def _source(view, narrow: bool, row, item_rows: int, rows: int):
+  """The GMEM slice holding source ``row`` (its window, for a narrow buffer)."""
+  if narrow:
+    return view.at[pl.ds(_window_start(row, rows, _window(view.dtype)), _window(view.dtype))]
+  return view.at[pl.ds(row, item_rows)]
+
+
+def _save_endangered(interpret, views, item_src, item_save, *, narrow, num_items,
+                     per_program, item_rows, rows, pdl):
+  """Pass 1: ``temp[item] = view[item_src[item]]`` for the items marked in ``item_save``."""
+  chunks = num_items // per_program
+
+  def body(src_gmem, save_gmem, *rest):
+    sources, temps = rest[:len(views)], rest[len(views):2 * len(views)]
+    src_smem, save_smem, index_barrier = rest[2 * len(views):]
+    if pdl:
+      plgpu.griddepcontrol_wait()
+    chunk = jax.lax.axis_index("chunk")
+    first = chunk * per_program
+    _load_indices([(src_gmem.at[pl.ds(first, per_program)], src_smem),
+                   (save_gmem.at[pl.ds(first, per_program)], save_smem)], index_barrier)
+    buffer_index = jax.lax.axis_index("buffer")
+    for k, (source, temp, n) in enumerate(zip(sources, temps, narrow)):
+
+      def scoped(stage, barriers, source=source, temp=temp, n=n):
+        for i in range(per_program):
+          @pl.when(save_smem[i] != 0)
+          def _():
+            plgpu.copy_gmem_to_smem(_source(source, n, src_smem[i], item_rows, rows),
+                                    stage.at[i], barriers.at[i])
+
+        for i in range(per_program):
+          @pl.when(save_smem[i] != 0)
+          def _():
+            plgpu.barrier_wait(barriers.at[i])
+            item = first + i
+            slot = temp.at[item] if n else temp.at[pl.ds(item * item_rows, item_rows)]
+            plgpu.copy_smem_to_gmem(stage.at[i], slot, commit_group=False)
+
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0)
+
+      pl.when(buffer_index == k)(functools.partial(
+          pl.run_scoped, scoped, _stage_type(source, n, per_program, item_rows),
+          plgpu.Barrier(num_arrivals=1, num_barriers=per_program)))
+
+  return plgpu.kernel(
+      body,
+      out_type=tuple(_temp_type(v, n, num_items, item_rows) for v, n in zip(views, narrow)),
+      grid=(len(views), chunks),
+      grid_names=("buffer", "chunk"),
+      scratch_types=[plgpu.SMEM((per_program,), jnp.int32),
+                     plgpu.SMEM((per_program,), jnp.int32),
+                     plgpu.Barrier(num_arrivals=2)],
+      compiler_params=_compiler_params(),
+      interpret=interpret,
+  )(item_src, item_save, *views)
+
+
+def _move_items(refs, item_src, item_tgt, item_save, temps, *, narrow, num_items,
+                per_program, item_rows, rows, pdl, interpret):
+  """Pass 2: ``ref[item_tgt] = temp[item] if item_save else ref[item_src]`` for every item."""
+  chunks = num_items // per_program
+
+  def body(src_gmem, tgt_gmem, save_gmem, *rest):
+    saved = rest[:len(refs)]
+    buffers = rest[len(refs):2 * len(refs)]
+    src_smem, tgt_smem, save_smem, index_barrier = rest[2 * len(refs):]
+    if pdl:
+      plgpu.griddepcontrol_wait()
+    chunk = jax.lax.axis_index("chunk")
+    first = chunk * per_program
+    _load_indices([(src_gmem.at[pl.ds(first, per_program)], src_smem),
+                   (tgt_gmem.at[pl.ds(first, per_program)], tgt_smem),
+                   (save_gmem.at[pl.ds(first, per_program)], save_smem)], index_barrier)
+    buffer_index = jax.lax.axis_index("buffer")
+    for k, (buffer, temp, n) in enumerate(zip(buffers, saved, narrow)):
+
+      def scoped(stage, barriers, buffer=buffer, temp=temp, n=n):
+        for i in range(per_program):
+          moved = tgt_smem[i] >= 0
+          from_temp = save_smem[i] != 0
+
+          @pl.when(moved & from_temp)
+          def _():
+            item = first + i
+            slot = temp.at[item] if n else temp.at[pl.ds(item * item_rows, item_rows)]
+            plgpu.copy_gmem_to_smem(slot, stage.at[i], barriers.at[i])
+
+          @pl.when(moved & jnp.logical_not(from_temp))
+          def _():
+            plgpu.copy_gmem_to_smem(_source(buffer, n, src_smem[i], item_rows, rows),
+                                    stage.at[i], barriers.at[i])
+
+        for i in range(per_program):
+          row = tgt_smem[i]
+
+          @pl.when(row >= 0)
+          def _():
+            plgpu.barrier_wait(barriers.at[i])
+            if n:
+              source = src_smem[i]
+              start = _window_start(source, rows, _window(buffer.dtype))
+              buffer[row] = stage[i, source - start]
+            else:
+              plgpu.copy_smem_to_gmem(stage.at[i], buffer.at[pl.ds(row, item_rows)],
+                                      commit_group=False)
+
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      pl.when(buffer_index == k)(functools.partial(
+          pl.run_scoped, scoped, _stage_type(buffer, n, per_program, item_rows),
+          plgpu.Barrier(num_arrivals=1, num_barriers=per_program)))
+
+  plgpu.kernel(
+      body,
+      out_type=(),
+      grid=(len(refs), chunks),
+      grid_names=("buffer", "chunk"),
+      scratch_types=[plgpu.SMEM((per_program,), jnp.int32),
+                     plgpu.SMEM((per_program,), jnp.int32),
+                     plgpu.SMEM((per_program,), jnp.int32),
+                     plgpu.Barrier(num_arrivals=3)],
+      compiler_params=_compiler_params(),
+      interpret=interpret,
+  )(item_src, item_tgt, item_save, *temps, *refs)
