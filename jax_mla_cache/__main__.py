@@ -1,0 +1,42 @@
+"""`python -m jax_mla_cache {demo,bench} [args]`.
+
+demo   the main job: a DeepSeek-style MLA model's prefill + decode steps on the
+       cache (GPU if present), then the kernel benchmark table (`--no-bench` skips it).
+bench  the kernel benchmark alone; writes benchmarks/results/<device>.json + .png.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  cmd = argv.pop(0) if argv and not argv[0].startswith("-") else "demo"
+  if cmd == "bench":
+    from jax_mla_cache import bench
+    bench.main(argv)
+    return 0
+  if cmd == "demo":
+    from jax_mla_cache import demo
+    run_bench = "--no-bench" not in argv
+    argv = [a for a in argv if a != "--no-bench"]
+    demo.main(argv)
+    if run_bench:
+      from jax_mla_cache import bench
+      print()
+      bench.main(["--out", _bench_out()])
+    return 0
+  print(__doc__, file=sys.stderr)
+  return 2
+
+
+def _bench_out() -> str:
+  """The demo's benchmark writes next to the committed results, not over them, off-GPU."""
+  import jax
+  return ("benchmarks/results/h200.json" if "H200" in jax.devices()[0].device_kind
+          else "benchmarks/results/local_" + jax.devices()[0].platform + ".json")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

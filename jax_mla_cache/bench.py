@@ -1,0 +1,292 @@
+"""Kernel benchmark: device time per call and GB/s, Pallas vs XLA in one process.
+
+    python -m jax_mla_cache bench [--out benchmarks/results/h200.json] [--small]
+
+Method (see shared ANCHORS.md): on a GPU each op is called `iters` times in a
+Python loop (every call a jitted, cache-donating launch) inside
+`jax.profiler.trace`, and the device time per call is the sum of the durations
+of all GPU kernel and memcpy events the calls issued, divided by `iters`
+(CUPTI timestamps, as tokamax's benchmark utilities do). This excludes host
+dispatch and loop overhead, which hide small-T kernels. Where no GPU events are
+recorded (CPU) the figure is wall-clock per call after `block_until_ready`.
+Host offload is timed by wall clock (what a caller waits for), against plain
+device<->pinned-host copies of the same bytes in the same run.
+
+GB/s counts bytes read plus written: rows x row bytes x 2 for set/get/move
+(plus the layers for moves); one direction for host copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_mla_cache as mc
+from jax_mla_cache import offload
+
+SET_TOKENS = (1, 64, 512, 4096, 32768)
+MOVE_TOKENS = (8, 64, 256, 1024, 4096)
+PAGE_COUNTS = (1, 16, 256)
+OFFLOAD_TOKENS = 4096
+
+
+@dataclasses.dataclass
+class Record:
+  op: str
+  impl: str
+  T: int
+  layers: int
+  us: float
+  gbps: float
+
+
+def _gpu_event_ns(trace_dir: str) -> int | None:
+  """Total duration of GPU stream events (kernels, memcpys) in a profiler trace."""
+  from jax.profiler import ProfileData
+
+  files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+  if not files:
+    return None
+  total, found = 0, False
+  for plane in ProfileData.from_file(files[-1]).planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      # Stream lines hold one event per kernel / memcpy; the "XLA Ops"/"XLA Modules"
+      # lines repeat the same time grouped differently and would double count.
+      if not line.name.startswith("Stream"):
+        continue
+      for event in line.events:
+        total += int(event.duration_ns)
+        found = True
+  return total if found else None
+
+
+def time_per_call(step: Callable[[Any], Any], state: Any, iters: int) -> tuple[float, Any, str]:
+  """Device microseconds per `state = step(state)`; returns (us, state, method)."""
+  for _ in range(3):
+    state = step(state)
+  jax.block_until_ready(state)
+  if jax.devices()[0].platform == "gpu":
+    with tempfile.TemporaryDirectory() as d:
+      with jax.profiler.trace(d):
+        for _ in range(iters):
+          state = step(state)
+        jax.block_until_ready(state)
+      ns = _gpu_event_ns(d)
+    if ns is not None:
+      return ns / iters / 1e3, state, "profiler"
+  t0 = time.perf_counter()
+  for _ in range(iters):
+    state = step(state)
+  jax.block_until_ready(state)
+  return (time.perf_counter() - t0) / iters * 1e6, state, "wallclock"
+
+
+def _wall_us(fn: Callable[[], Any], iters: int) -> float:
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times) * 1e6
+
+
+def copy_bandwidth_gbps(nbytes: int) -> float:
+  """Device copy bandwidth (read + write) of an XLA elementwise op over `nbytes`."""
+  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+  f = jax.jit(lambda v: v + jnp.bfloat16(1), donate_argnums=0)
+  us, _, _ = time_per_call(f, x, 10)
+  return 2 * nbytes / us / 1e3
+
+
+def _rows(rng, tokens, width):
+  return jnp.asarray(rng.standard_normal((tokens, 1, width)).astype(np.float32)).astype(jnp.bfloat16)
+
+
+def bench_rows(cfg: mc.MLACacheConfig, tokens_list, impls, iters, report) -> None:
+  """set_mla / set_mla_pth / get_mla on one layer of `cfg.rows` rows."""
+  rng = np.random.default_rng(0)
+  quant_cfg = cfg.replace(dtype=jnp.float8_e4m3fn, quant_method="per_token_head")
+  for tokens in tokens_list:
+    loc = jnp.asarray(rng.permutation(cfg.rows)[:tokens].astype(np.int32))
+    nope, rope = _rows(rng, tokens, cfg.kv_lora_rank), _rows(rng, tokens, cfg.qk_rope_head_dim)
+    in_bytes = tokens * cfg.kv_cache_dim * 2
+    for impl in impls:
+      for op, c in (("set_mla", cfg), ("set_mla_pth", quant_cfg)):
+        cache = mc.init_cache(c)
+        f = jax.jit(lambda s, impl=impl: mc.set_mla_kv_buffer(s, 0, loc, nope, rope,
+                                                              implementation=impl),
+                    donate_argnums=0)
+        us, cache, method = time_per_call(f, cache, iters)
+        report(Record(op, impl, tokens, 1, us, (in_bytes + tokens * c.row_bytes) / us / 1e3), method)
+        if op == "set_mla":
+          g = jax.jit(lambda s, impl=impl: (s, mc.get_mla_kv_buffer(s, 0, loc, implementation=impl)))
+          us, _, method = time_per_call(lambda st: g(st[0]), (cache, None), iters)
+          report(Record("get_mla", impl, tokens, 1, us, 2 * tokens * c.row_bytes / us / 1e3), method)
+        del cache
+
+
+def bench_moves(cfg: mc.MLACacheConfig, tokens_list, pages_list, impls, iters, report) -> None:
+  """move / move_pth over every layer (one call), and whole-page moves."""
+  rng = np.random.default_rng(1)
+  quant_cfg = cfg.replace(dtype=jnp.float8_e4m3fn, quant_method="per_token_head")
+  for op, c in (("move", cfg), ("move_pth", quant_cfg)):
+    cache = mc.init_cache(c)
+    for tokens in tokens_list:
+      perm = rng.permutation(c.rows)[: 2 * tokens].astype(np.int32)
+      tgt, src = jnp.asarray(perm[:tokens]), jnp.asarray(perm[tokens:])
+      for impl in impls:
+        f = jax.jit(lambda s, impl=impl: mc.move_kv_cache(s, tgt, src, implementation=impl),
+                    donate_argnums=0)
+        us, cache, method = time_per_call(f, cache, iters)
+        report(Record(op, impl, tokens, c.layer_num, us,
+                      2 * tokens * c.row_bytes * c.layer_num / us / 1e3), method)
+    if op == "move":
+      npages = c.rows // c.page_size
+      for pages in pages_list:
+        perm = rng.permutation(npages)[: 2 * pages].astype(np.int32)
+        tgt, src = jnp.asarray(perm[:pages]), jnp.asarray(perm[pages:])
+        for impl in impls:
+          f = jax.jit(lambda s, impl=impl: mc.move_kv_pages(s, tgt, src, implementation=impl),
+                      donate_argnums=0)
+          us, cache, method = time_per_call(f, cache, iters)
+          nbytes = 2 * pages * c.page_size * c.row_bytes * c.layer_num
+          report(Record("move_pages", impl, pages, c.layer_num, us, nbytes / us / 1e3), method)
+    del cache
+
+
+def bench_offload(cfg: mc.MLACacheConfig, tokens: int, iters: int, report) -> dict:
+  """get_cpu_copy / load_cpu_copy of `tokens` rows x every layer vs plain pinned copies."""
+  kind = offload.host_memory_kind()
+  cache = mc.init_cache(cfg)
+  idx = jnp.asarray(np.random.default_rng(2).permutation(cfg.rows)[:tokens].astype(np.int32))
+  nbytes = tokens * cfg.row_bytes * cfg.layer_num
+  result = {"pinned_d2h_gbps": None, "pinned_h2d_gbps": None, "memory_kind": kind}
+  if kind is not None:
+    dev = jax.devices()[0]
+    host_s = jax.sharding.SingleDeviceSharding(dev, memory_kind=kind)
+    dev_s = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    blob = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    host_blob = jax.device_put(blob, host_s)
+    result["pinned_d2h_gbps"] = nbytes / _wall_us(lambda: jax.device_put(blob, host_s), iters) / 1e3
+    result["pinned_h2d_gbps"] = nbytes / _wall_us(lambda: jax.device_put(host_blob, dev_s), iters) / 1e3
+    del blob, host_blob
+  us = _wall_us(lambda: mc.get_cpu_copy(cache, idx), iters)
+  report(Record("offload_d2h", "xla", tokens, cfg.layer_num, us, nbytes / us / 1e3), "wallclock")
+  host = mc.get_cpu_copy(cache, idx).block_until_ready()
+  state = {"cache": cache}
+
+  def load():
+    state["cache"] = mc.load_cpu_copy(state["cache"], host, idx)
+    return state["cache"]
+
+  us = _wall_us(load, iters)
+  report(Record("offload_h2d", "xla", tokens, cfg.layer_num, us, nbytes / us / 1e3), "wallclock")
+  return result
+
+
+def _commit() -> str:
+  try:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True, cwd=os.path.dirname(__file__)).stdout.strip()
+  except Exception:
+    return os.environ.get("GIT_COMMIT", "unknown")
+
+
+def main(argv: list[str] | None = None) -> dict:
+  parser = argparse.ArgumentParser(prog="python -m jax_mla_cache bench", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<device>.json)")
+  parser.add_argument("--small", action="store_true", help="CPU-sized shapes (default off a GPU)")
+  parser.add_argument("--ops", default="rows,moves,offload", help="comma list: rows,moves,offload")
+  parser.add_argument("--impls", default="pallas,xla")
+  parser.add_argument("--iters", type=int, default=None)
+  parser.add_argument("--no-plot", action="store_true")
+  args = parser.parse_args(argv)
+
+  device = jax.devices()[0]
+  on_gpu = device.platform == "gpu"
+  small = args.small or not on_gpu
+  impls = tuple(args.impls.split(","))
+  ops = set(args.ops.split(","))
+  iters = args.iters or (20 if on_gpu else 2)
+  if small:
+    cfg = mc.SMALL.replace(size=4096 - 16, layer_num=4)
+    set_tokens, move_tokens, page_counts, off_tokens = (1, 64, 512), (8, 64), (1, 16), 256
+  else:
+    cfg = mc.DEEPSEEK_V3
+    set_tokens, move_tokens, page_counts, off_tokens = SET_TOKENS, MOVE_TOKENS, PAGE_COUNTS, OFFLOAD_TOKENS
+  records: list[Record] = []
+  methods: set[str] = set()
+
+  def report(rec: Record, method: str) -> None:
+    records.append(rec)
+    methods.add(method)
+    print(f"  {rec.op:12s} {rec.impl:6s} T={rec.T:<6d} layers={rec.layers:<3d} "
+          f"{rec.us:10.2f} us {rec.gbps:9.1f} GB/s  [{method}]", flush=True)
+
+  print(f"jax_mla_cache bench on {device.device_kind} (jax {jax.__version__}); "
+        f"{'small' if small else 'DeepSeek-V3'} shapes, impls {impls}", flush=True)
+  copy_gbps = copy_bandwidth_gbps(2**28 if small else 2**30)
+  print(f"  device copy bandwidth: {copy_gbps:.1f} GB/s (read+write)", flush=True)
+  row_cfg = cfg.replace(layer_num=1)
+  if "rows" in ops:
+    bench_rows(row_cfg, set_tokens, impls, iters, report)
+  if "moves" in ops:
+    bench_moves(cfg, move_tokens, page_counts, impls, iters, report)
+  pinned = {"pinned_d2h_gbps": None, "pinned_h2d_gbps": None}
+  if "offload" in ops:
+    pinned = bench_offload(cfg, off_tokens, max(3, iters // 4), report)
+    print(f"  pinned host copy: d2h {pinned['pinned_d2h_gbps']} GB/s, h2d {pinned['pinned_h2d_gbps']} GB/s")
+
+  results = {
+      "device": device.device_kind,
+      "jax": jax.__version__,
+      "commit": _commit(),
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "method": ("device time per call from jax.profiler trace (sum of GPU kernel/memcpy events / calls)"
+                 if "profiler" in methods else "wall clock per call after block_until_ready")
+                + "; offload by wall clock",
+      "shapes": "small (CPU)" if small else "DeepSeek-V3: 2^18 rows x 576, 61 layers for moves/offload",
+      "copy_gbps": copy_gbps,
+      "pinned_copy_gbps": pinned.get("pinned_d2h_gbps"),
+      "pinned_d2h_gbps": pinned.get("pinned_d2h_gbps"),
+      "pinned_h2d_gbps": pinned.get("pinned_h2d_gbps"),
+      "records": [dataclasses.asdict(r) for r in records],
+  }
+  name = "h200" if "H200" in device.device_kind else device.platform
+  out = args.out or os.path.join("benchmarks", "results", f"{name}.json")
+  os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+  with open(out, "w") as f:
+    json.dump(results, f, indent=1)
+  print(f"wrote {out}")
+  if not args.no_plot:
+    try:
+      from jax_mla_cache import plots
+      png = os.path.splitext(out)[0] + ".png"
+      plots.plot_results(results, png)
+      print(f"wrote {png}")
+    except ImportError as e:
+      print(f"(no plot: {e})", file=sys.stderr)
+  return results
+
+
+if __name__ == "__main__":
+  main()
