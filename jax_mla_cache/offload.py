@@ -161,9 +161,17 @@ def load_cpu_copy(
   """
   op = "load_cpu_copy"
   _check_cache(cache, op)
+  idx = _as_indices(token_indices, "token_indices", op)
+  check_host_copy(cache, host_copy, idx, op)
+  if idx.shape[0] == 0:
+    return cache
+  return _scatter_chunks(cache, host_copy.chunks, idx)
+
+
+def check_host_copy(cache: MLAKVCache, host_copy: HostCopy, idx: jax.Array, op: str) -> None:
+  """Raise unless `host_copy` fits `cache`'s buffers and holds `len(idx)` tokens."""
   if not isinstance(host_copy, HostCopy):
     raise TypeError(f"{op}: host_copy must be a HostCopy, got {type(host_copy).__name__}")
-  idx = _as_indices(token_indices, "token_indices", op)
   if idx.shape[0] != host_copy.token_count:
     raise ValueError(
         f"{op}: token_indices has {idx.shape[0]} entries, the host copy holds "
@@ -181,6 +189,3 @@ def load_cpu_copy(
               f"{op}: host copy rows {rows.dtype}{tuple(rows.shape)} do not fit cache "
               f"buffers {jnp.dtype(dtype)}{tuple(shape)}"
           )
-  if idx.shape[0] == 0:
-    return cache
-  return _scatter_chunks(cache, host_copy.chunks, idx)
