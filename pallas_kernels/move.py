@@ -111,7 +111,7 @@ def move_rows(
     tgt, src = _pad(tgt, src, _BULK_ALIGN // 4)
     run = functools.partial(_staged_move, plan=plan, num_jobs=count, pdl=pdl)
     return _on_platform(
-        functools.partial(_in_place, run, [bands.narrow for bands in plan]),
+        functools.partial(_in_place, run),
         buffers, tgt, src)
   return _two_pass(buffers, tgt, src, unit_rows=1, pdl=pdl, tiling=tiling)
 
@@ -228,20 +228,24 @@ def _on_platform(fn: Callable, *args):
   return jax.lax.platform_dependent(*args, cpu=on_cpu, cuda=functools.partial(fn, None))
 
 
-def _in_place(run: Callable, narrow: Sequence[bool], interpret, buffers, *args):
+def _in_place(run: Callable, interpret, buffers, *args):
   """Runs ``run(refs, *args, interpret=...)`` on refs to kernel views of ``buffers``.
 
   Returns the buffers, frozen and in their own shapes (the kernel aliases them).
   """
-  refs = [jax.new_ref(_rows_view(b, narrow=n)) for b, n in zip(buffers, narrow)]
+  refs = [jax.new_ref(_rows_view(b)) for b in buffers]
   run(refs, *args, interpret=interpret)
   return tuple(jax.freeze(r).reshape(b.shape) for r, b in zip(refs, buffers))
 
 
-def _rows_view(buffer, *, narrow: bool):
-  """Kernel view of a buffer: ``(rows,)`` for one-element rows moved alone, else 2-D."""
+def _rows_view(buffer):
+  """Kernel view of a buffer: 2-D ``(rows, width)``, or 1-D for one-element rows.
+
+  TMA needs every stride but the last to be a multiple of 16 bytes, which ``(rows, 1)``
+  float32 is not.
+  """
   rows = buffer.shape[0]
-  return buffer.reshape(rows) if narrow else buffer.reshape(rows, -1)
+  return buffer.reshape(rows) if math.prod(buffer.shape[1:]) == 1 else buffer.reshape(rows, -1)
 
 
 def _is_narrow(buffer, rows_per_item: int) -> bool:
@@ -335,11 +339,7 @@ def _staged_move(refs, tgt, src, *, plan, num_jobs, pdl, interpret):
     tgt_smem, src_smem, index_barrier = rest[len(refs):]
     if pdl:
       plgpu.griddepcontrol_wait()
-    plgpu.copy_gmem_to_smem(tgt_gmem, tgt_smem, index_barrier,
-                            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-    plgpu.copy_gmem_to_smem(src_gmem, src_smem, index_barrier,
-                            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-    plgpu.barrier_wait(index_barrier)
+    _load_indices([(tgt_gmem, tgt_smem), (src_gmem, src_smem)], index_barrier)
     job = jax.lax.axis_index("job")
     for buffer, bands in zip(buffers, plan):
       mine = (job >= bands.first_job) & (job < bands.first_job + bands.num_bands)
@@ -368,15 +368,13 @@ def _move_band_rows(buffer, tgt_smem, src_smem, tokens, column, band):
 
   def scoped(stage, barrier):
     @pl.loop(0, tokens)
-    def _load(i):
-      plgpu.copy_gmem_to_smem(
-          buffer.at[src_smem[i], pl.ds(column, band)], stage.at[i], barrier,
-          oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+    def _load_row(i):
+      _load(buffer.at[src_smem[i], pl.ds(column, band)], stage.at[i], barrier)
 
     plgpu.barrier_wait(barrier)
 
     @pl.loop(0, tokens)
-    def _store(i):
+    def _store_row(i):
       row = tgt_smem[i]
 
       @pl.when(row >= 0)
@@ -396,14 +394,14 @@ def _move_narrow_rows(buffer, tgt_smem, src_smem, tokens, rows, window):
 
   def scoped(stage, barrier):
     @pl.loop(0, tokens)
-    def _load(i):
+    def _load_row(i):
       start = _window_start(src_smem[i], rows, window)
-      plgpu.copy_gmem_to_smem(buffer.at[pl.ds(start, window)], stage.at[i], barrier)
+      _load(buffer.at[pl.ds(start, window)], stage.at[i], barrier, narrow=True)
 
     plgpu.barrier_wait(barrier)
 
     @pl.loop(0, tokens)
-    def _store(i):
+    def _store_row(i):
       row = tgt_smem[i]
       source = src_smem[i]
 
@@ -451,32 +449,39 @@ def _two_pass(buffers, tgt, src, *, unit_rows: int, pdl: bool, tiling: MoveTilin
   num_items = item_src.shape[0]
   shape = dict(num_items=num_items, per_program=per_program, item_rows=item_rows,
                rows=rows, pdl=pdl)
-  views = [_rows_view(b, narrow=n) for b, n in zip(buffers, narrow)]
+  views = [_rows_view(b) for b in buffers]
   temps = _on_platform(
       functools.partial(_save_endangered, narrow=narrow, **shape),
       views, item_src, item_save)
   run = functools.partial(_move_items, narrow=narrow, **shape)
-  return _on_platform(functools.partial(_in_place, run, narrow),
+  return _on_platform(functools.partial(_in_place, run),
                       buffers, item_src, item_tgt, item_save, temps)
 
 
 def _temp_type(view, narrow: bool, num_items: int, item_rows: int):
   if narrow:
     return jax.ShapeDtypeStruct((num_items, _window(view.dtype)), view.dtype)
-  return jax.ShapeDtypeStruct((num_items * item_rows, view.shape[1]), view.dtype)
+  return jax.ShapeDtypeStruct((num_items * item_rows, *view.shape[1:]), view.dtype)
 
 
 def _stage_type(view, narrow: bool, per_program: int, item_rows: int):
   if narrow:
     return plgpu.SMEM((per_program, _window(view.dtype)), view.dtype)
-  return plgpu.SMEM((per_program, item_rows, view.shape[1]), view.dtype)
+  return plgpu.SMEM((per_program, item_rows, *view.shape[1:]), view.dtype)
+
+
+def _load(gmem, smem, barrier, *, narrow: bool = False):
+  """Async copy into shared memory: a bulk copy, or a TMA box for a narrow window."""
+  # A narrow window starts at any element, which only a TMA tensor map allows; the default
+  # (zero-filling) mode selects one. Everything else is contiguous and 16-byte aligned.
+  oob_mode = None if narrow else plgpu.OOBFillMode.PROMISE_IN_BOUNDS
+  plgpu.copy_gmem_to_smem(gmem, smem, barrier, oob_mode=oob_mode)
 
 
 def _load_indices(pairs, barrier):
   """Copies ``(gmem, smem)`` index chunks into shared memory and waits for them."""
   for gmem, smem in pairs:
-    plgpu.copy_gmem_to_smem(gmem, smem, barrier,
-                            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+    _load(gmem, smem, barrier)
   plgpu.barrier_wait(barrier)
 
 
@@ -508,8 +513,8 @@ def _save_endangered(interpret, views, item_src, item_save, *, narrow, num_items
         for i in range(per_program):
           @pl.when(save_smem[i] != 0)
           def _():
-            plgpu.copy_gmem_to_smem(_source(source, n, src_smem[i], item_rows, rows),
-                                    stage.at[i], barriers.at[i])
+            _load(_source(source, n, src_smem[i], item_rows, rows), stage.at[i],
+                  barriers.at[i], narrow=n)
 
         for i in range(per_program):
           @pl.when(save_smem[i] != 0)
@@ -567,12 +572,12 @@ def _move_items(refs, item_src, item_tgt, item_save, temps, *, narrow, num_items
           def _():
             item = first + i
             slot = temp.at[item] if n else temp.at[pl.ds(item * item_rows, item_rows)]
-            plgpu.copy_gmem_to_smem(slot, stage.at[i], barriers.at[i])
+            _load(slot, stage.at[i], barriers.at[i])
 
           @pl.when(moved & jnp.logical_not(from_temp))
           def _():
-            plgpu.copy_gmem_to_smem(_source(buffer, n, src_smem[i], item_rows, rows),
-                                    stage.at[i], barriers.at[i])
+            _load(_source(buffer, n, src_smem[i], item_rows, rows), stage.at[i],
+                  barriers.at[i], narrow=n)
 
         for i in range(per_program):
           row = tgt_smem[i]
