@@ -1,0 +1,1 @@
+"""Small models that run on the cache (demos and integration tests)."""

@@ -1,0 +1,153 @@
+"""The cache inside a model: `jax_mla_cache.models.mla_demo` decoding vs recomputation.
+
+A 2-layer MLA model (512 + 64 latent, the SMALL cache) prefills two right-padded
+prompts of different lengths, then decodes STEPS tokens (teacher-forced, so both
+paths see the same tokens). Every output is compared with `reference_forward`,
+which recomputes the whole sequence from scratch with no cache, in the naive
+(non-absorbed) attention form.
+
+Why float tolerance and not bit-exactness for the plain bf16 cache: the cache
+itself is lossless for what it is given (the ops tests prove get returns set's
+rows bit for bit), but the two paths compute the same math differently: the
+cached path absorbs w_uk into the query, the reference expands keys and values
+per head, and decode runs (B, 1) matmuls where the reference runs (B, S) ones,
+so XLA sums in other orders. The float32 latents then differ in their last bits,
+and now and then one rounds to the neighbouring bf16 value. The bound is
+1e-3 x max|logit| (measured: ~3e-5 for bf16, ~5e-7 for fp8, which rounds on a
+coarser grid and so flips less).
+
+FP8 (per_token_head) is checked twice: against the recomputation with the same
+quantization applied to its latents (float tolerance, as above), and against the
+exact recomputation, within a bound derived from the format: every cached nope
+value is within half an e4m3 step (2^-4 relative, or 2^-10 x scale in the
+subnormal range) and every rope value within half a bf16 step (2^-8 relative) of
+the exact latent; the logits then stay within 5% of max|logit| (measured ~1.7%).
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_mla_cache as mc
+from jax_mla_cache.models import mla_demo
+from tests.test_inplace import copies_of_cache
+
+PLAIN = mc.SMALL
+FP8 = mc.SMALL.replace(dtype=jnp.float8_e4m3fn, quant_method="per_token_head")
+LENGTHS = np.array([5, 12], np.int32)     # prompt lengths; prompts are padded to 12
+PROMPT = 12
+STEPS = 4
+LOGIT_TOL = 1e-3
+FP8_LOGIT_BOUND = 5e-2
+
+
+@pytest.fixture(scope="module", params=[PLAIN, FP8], ids=["bf16", "fp8_per_token_head"])
+def run(request):
+  """Prefill + STEPS decode steps; returns everything the tests compare."""
+  cache_cfg = request.param
+  cfg = mla_demo.MLADemoConfig(cache=cache_cfg)
+  params = mla_demo.init_params(cfg, seed=0)
+  batch = len(LENGTHS)
+  tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (batch, PROMPT + STEPS))
+  tokens = tokens.astype(np.int32)
+  page_table = jnp.asarray(mla_demo.make_page_table(batch, PROMPT + STEPS, cache_cfg))
+
+  # Compiled ahead of time so the no-copy test reads the HLO of the very executables run here.
+  cache = mc.init_cache(cache_cfg)
+  prompt = jnp.asarray(tokens[:, :PROMPT])
+  prefill = mla_demo.prefill.lower(params, cache, prompt, LENGTHS, page_table).compile()
+  decode = mla_demo.decode.lower(params, cache, prompt[:, 0], LENGTHS, page_table).compile()
+
+  logits, cache = prefill(params, cache, prompt, LENGTHS, page_table)
+  outputs = [logits]                      # outputs[i]: logits at position LENGTHS - 1 + i
+  for i in range(STEPS):
+    positions = LENGTHS + i
+    logits, cache = decode(params, cache, tokens[np.arange(batch), positions], positions, page_table)
+    outputs.append(logits)
+
+  exact, _ = (mla_demo.reference_forward(params, jnp.asarray(tokens)) if cache_cfg.quantized
+              else (None, None))
+  stored, latents = mla_demo.reference_forward(params, jnp.asarray(tokens), cache_cfg)
+  pick = lambda ref, i: np.asarray(ref)[np.arange(batch), LENGTHS - 1 + i]
+  return dict(
+      cache_cfg=cache_cfg, params=params, cache=cache, page_table=page_table, tokens=tokens,
+      outputs=[np.asarray(o) for o in outputs],
+      exact=exact is not None and [pick(exact, i) for i in range(STEPS + 1)],
+      hlo={"prefill": prefill.as_text(), "decode": decode.as_text()}, decode=decode,
+      stored=[pick(stored, i) for i in range(STEPS + 1)],
+      # each layer's latents before rounding, given the earlier layers' stored ones
+      latents=[(np.asarray(c), np.asarray(r)) for c, r in latents],
+  )
+
+
+def written_slots(run) -> np.ndarray:
+  """(B, L) cache rows of each sequence's tokens (prompt + decoded), -1 past its end."""
+  positions = np.arange(PROMPT + STEPS)[None, :]
+  slots = np.asarray(mla_demo.token_slots(run["page_table"], jnp.asarray(
+      np.broadcast_to(positions, (len(LENGTHS), PROMPT + STEPS))), run["cache_cfg"].page_size))
+  return np.where(positions < (LENGTHS + STEPS)[:, None], slots, -1)
+
+
+def test_decode_matches_recomputation_to_float_tolerance(run):
+  for i, (out, ref) in enumerate(zip(run["outputs"], run["stored"])):
+    chex.assert_shape(out, (len(LENGTHS), run["params"].config.vocab_size))
+    err = np.abs(out - ref).max()
+    assert err <= LOGIT_TOL * np.abs(ref).max(), f"step {i}: max |logit error| {err}"
+
+
+def test_fp8_decode_within_bound_of_exact_recomputation(run):
+  if not run["cache_cfg"].quantized:
+    pytest.skip("per_token_head only")
+  for i, (out, ref) in enumerate(zip(run["outputs"], run["exact"])):
+    err = np.abs(out - ref).max()
+    assert err <= FP8_LOGIT_BOUND * np.abs(ref).max(), f"step {i}: max |logit error| {err}"
+
+
+def test_cached_rows_within_storage_bound(run):
+  """Every cached latent row is the exact latent up to the storage format's rounding."""
+  cfg = run["cache_cfg"]
+  slots = written_slots(run)
+  valid = slots >= 0
+  f32_noise = 1e-5  # the two paths' float32 latents differ in their last bits
+  for layer_id, (c_kv, k_rope) in enumerate(run["latents"]):
+    nope, rope = mc.get_mla_kv_buffer(run["cache"], layer_id, slots[valid], jnp.float32)
+    nope, rope = np.asarray(nope[:, 0]), np.asarray(rope[:, 0])
+    c_kv, k_rope = c_kv[valid], k_rope[valid]
+    if cfg.quantized:
+      scale = np.abs(c_kv).max(-1, keepdims=True) / 448
+      nope_bound = 2.0**-4 * np.abs(c_kv) + 2.0**-10 * scale
+    else:
+      nope_bound = 2.0**-8 * np.abs(c_kv)
+    rope_bound = 2.0**-8 * np.abs(k_rope)
+    assert np.all(np.abs(nope - c_kv) <= nope_bound * (1 + f32_noise) + f32_noise), layer_id
+    assert np.all(np.abs(rope - k_rope) <= rope_bound * (1 + f32_noise) + f32_noise), layer_id
+
+
+def test_only_sequence_pages_and_padding_page_written(run):
+  """Padded prompt tokens land in page 0; no row outside the sequences' slots changes."""
+  cfg = run["cache_cfg"]
+  untouched = np.ones(cfg.rows, bool)
+  untouched[written_slots(run)[written_slots(run) >= 0]] = False
+  untouched[: cfg.page_size] = False
+  for layer in run["cache"].buffers:
+    for buf in layer:
+      assert not np.asarray(buf, np.float32)[untouched].any()
+  assert np.asarray(run["cache"].buffers[0][-1][0], np.float32).any(), "padding wrote row 0"
+
+
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_compiled_step_copies_no_cache_buffer(run, step):
+  hlo = run["hlo"][step]
+  assert copies_of_cache(hlo, run["cache_cfg"]) == []
+  assert "input_output_alias" in hlo
+
+
+def test_reusing_a_donated_cache_raises(run):
+  cache = mc.init_cache(run["cache_cfg"])
+  args = (np.zeros(len(LENGTHS), np.int32), LENGTHS, run["page_table"])
+  _, new = run["decode"](run["params"], cache, *args)
+  with pytest.raises(RuntimeError, match="deleted|donated"):
+    run["decode"](run["params"], cache, *args)
+  jax.block_until_ready(new)
