@@ -1,0 +1,7 @@
+"""Mosaic GPU Pallas kernels of jax_mla_cache (arrays in, arrays out)."""
+
+from pallas_kernels.rows import get_rows as get_rows
+from pallas_kernels.rows import get_rows_per_token_head as get_rows_per_token_head
+from pallas_kernels.rows import RowConfig as RowConfig
+from pallas_kernels.rows import set_rows as set_rows
+from pallas_kernels.rows import set_rows_per_token_head as set_rows_per_token_head

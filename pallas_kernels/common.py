@@ -1,0 +1,186 @@
+"""Helpers shared by the Mosaic GPU row kernels (arrays in, arrays out).
+
+* Platform dispatch: the real Mosaic GPU kernel when lowering for CUDA (also deviceless
+  lowering on a CPU host), the same kernel body in Mosaic GPU interpret mode when lowering
+  for anything else (CPU tests).
+* Views: the cache buffers keep the seed's ``(rows, 1, width)`` shape; kernels see them as
+  ``(rows, width)`` (a free reshape).
+* Casts: every value conversion goes through float32; fp8 destinations saturate at the
+  format's max finite value (NaN stays NaN), rounding is round-to-nearest-even.
+* Register layouts for whole-row work in registers (see `row_layout`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+F32 = jnp.float32
+
+# Max finite value of each fp8 storage format (saturating casts clip to it).
+FP8_MAX = {
+    jnp.dtype(jnp.float8_e4m3fn): 448.0,
+    jnp.dtype(jnp.float8_e5m2): 57344.0,
+}
+STORAGE_DTYPES = tuple(
+    jnp.dtype(d)
+    for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2)
+)
+MODEL_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+
+# cp.async.bulk (the TMA engine's plain bulk copy) needs 16-byte sizes and addresses.
+BULK_ALIGN = 16
+
+
+def is_fp8(dtype) -> bool:
+  return jnp.dtype(dtype) in FP8_MAX
+
+
+def cast_from_f32(x: jax.Array, dtype) -> jax.Array:
+  """float32 -> dtype, round-to-nearest-even; fp8 saturates (clip, NaN stays NaN).
+
+  On the GPU the clip is redundant with the ``cvt.rn.satfinite`` Mosaic emits for fp8,
+  but interpret mode (XLA's convert) needs it, and it keeps both paths identical.
+  """
+  dtype = jnp.dtype(dtype)
+  if dtype in FP8_MAX:
+    limit = FP8_MAX[dtype]
+    x = jnp.clip(x, -limit, limit)
+  return x.astype(dtype)
+
+
+def cast_to(x: jax.Array, dtype) -> jax.Array:
+  """Any float dtype -> dtype through float32 (exact for every source dtype here)."""
+  if x.dtype == jnp.dtype(dtype) and not is_fp8(dtype):
+    return x
+  return cast_from_f32(x.astype(F32), dtype)
+
+
+def true_divide(x: jax.Array, per_row: jax.Array, interpret: bool) -> jax.Array:
+  """``x / per_row[:, None]`` as an IEEE float32 division of every element.
+
+  On the GPU, Mosaic emits ``arith.divf`` (a correctly rounded ``div.rn.f32``). In interpret
+  mode the kernel body runs through XLA, whose algebraic simplifier rewrites a division by
+  a broadcast into a multiplication by the reciprocal (different rounding, SPEC §3); an
+  optimization barrier on the broadcast divisor prevents that.
+  """
+  divisor = jnp.broadcast_to(per_row[:, None], x.shape)
+  if interpret:
+    divisor = lax.optimization_barrier(divisor)
+  return x / divisor
+
+
+def interpret_params() -> plgpu.InterpretGPUParams:
+  # Out-of-bounds reads raise (they would be bugs: our kernels never read outside a buffer).
+  return plgpu.InterpretGPUParams(out_of_bounds_reads="raise")
+
+
+def dispatch(build: Callable[[bool], Callable[..., Any]], *args):
+  """Run ``build(interpret)(*args)``: the real kernel for CUDA, interpret mode elsewhere.
+
+  The choice is made per lowering platform (``jax.lax.platform_dependent``), so lowering
+  for CUDA on a CPU host (deviceless AOT) gives the real kernel.
+
+  Interpret mode carries an ordered IO effect; ``platform_dependent`` keeps only the
+  lowering platform's branch but still expects that effect's token, so a bare interpret
+  branch breaks CUDA lowering. The interpret branch therefore runs inside a
+  ``pure_callback`` (which hides the effect; on CPU the buffers are then copied through the
+  callback: interpret mode is for correctness only).
+  """
+  out_types = jax.eval_shape(build(False), *args)
+  interpret = jax.jit(build(True))
+
+  def on_other(*a):
+    return jax.pure_callback(lambda *x: jax.device_get(interpret(*x)), out_types, *a)
+
+  return lax.platform_dependent(*args, cuda=build(False), default=on_other)
+
+
+def as_rows(x: jax.Array) -> jax.Array:
+  """(n, 1, w) -> (n, w) (free)."""
+  if x.ndim != 3 or x.shape[1] != 1:
+    raise ValueError(f"expected shape (n, 1, w), got {x.shape}")
+  return x.reshape(x.shape[0], x.shape[2])
+
+
+def valid_row(r, rows: int):
+  """Whether row index r (a traced int32 scalar) is a real row of a buffer of `rows`."""
+  return (r >= 0) & (r < rows)
+
+
+def invalid_row(r, rows: int):
+  # Spelled out (not ~valid_row) because `not` has no lowering in some Mosaic contexts.
+  return (r < 0) | (r >= rows)
+
+
+def row_layout_vec(ncols: int) -> int | None:
+  """Vector width of `row_layout(ncols)`, or None when no such layout exists."""
+  for v in (8, 4, 2, 1):
+    if ncols % (32 * v) == 0:
+      return v
+  return None
+
+
+def row_layout(ncols: int):
+  """A register layout for a (rows, ncols) block where each warp owns whole rows.
+
+  Tiles of 4 rows x (32*v) columns: warp w holds row w of each tile, its 32 lanes hold v
+  consecutive elements each. Row reductions (``jnp.max(x, axis=1)``) stay inside a warp
+  (shuffles, no shared memory), and every row layout made here reduces to the same (rows,)
+  layout, so a per-row scalar broadcasts back onto any of them (nope and rope blocks).
+  Shared-memory accesses are contiguous per warp (no bank conflicts, no swizzle needed).
+  The number of rows must be a multiple of 4; ncols a multiple of 32.
+  """
+  v = row_layout_vec(ncols)
+  if v is None:
+    raise NotImplementedError(f"row width {ncols} is not a multiple of 32")
+  return plgpu.Layout.TILED(
+      plgpu.Tiling(((4, 32 * v), (v,))), warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1
+  )
+
+
+def strided_layout(shape: tuple[int, ...], dtype):
+  """A layout that spreads a block over the warpgroup's threads in row-major order.
+
+  Thread t holds vectors (i * 128 + t) * vec ... + vec - 1 of the flattened block
+  (vec up to 16 bytes), so a warp touches contiguous shared memory (no bank conflicts), and
+  it can store into / load from a strided view such as the nope part of a whole-row block
+  (a tiled layout cannot). Used for element-wise casts (no reductions).
+  """
+  size = math.prod(shape)
+  vec = max(1, 16 // jnp.dtype(dtype).itemsize)
+  while vec > 1 and (size % (128 * vec) or shape[-1] % vec):
+    vec //= 2
+  if size % (128 * vec) or shape[-1] % vec:
+    raise NotImplementedError(f"block {shape} does not spread over 128 threads")
+  return plgpu.Layout.WG_STRIDED(tuple(shape), vec)
+
+
+def reg_block_rows(block_tokens: int) -> int:
+  """Shared-memory rows of a block that registers read or write.
+
+  A multiple of 4 (the row layout's tile) that is NOT a multiple of 8: Mosaic's layout
+  inference (warpgroup semantics) gives 2-D shared-memory buffers whose second-minor
+  dimension is a multiple of 8 a tiled+swizzled layout, which would break the per-row
+  bulk copies into and out of these buffers. Rows past the tokens of a block hold garbage
+  that registers process and nothing stores.
+  """
+  n = -(-block_tokens // 4) * 4
+  if n % 8 == 0:
+    n += 4
+  return n
+
+
+def zeros_row(width: int, dtype) -> np.ndarray:
+  """A (1, width) zero row, used as the source of reads of out-of-range rows.
+
+  A numpy constant, so under jit it is an HLO literal (no extra kernel launch).
+  """
+  return np.zeros((1, width), dtype=jnp.dtype(dtype))

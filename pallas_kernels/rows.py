@@ -1,0 +1,596 @@
+"""Mosaic GPU kernels that write and read token rows of the MLA cache, in place.
+
+Public functions (arrays in, arrays out; the cache buffers are aliased, never copied)::
+
+    set_rows(kv, loc, nope, rope, *, pdl=False) -> kv
+    set_rows_per_token_head(nope_buf, scale_buf, rope_buf, loc, nope, rope, *, pdl=False)
+        -> (nope_buf, scale_buf, rope_buf)
+    get_rows(kv, loc, *, kv_lora_rank, dst_dtype, pdl=False) -> (nope, rope)
+    get_rows_per_token_head(nope_buf, scale_buf, rope_buf, loc, *, dst_dtype, pdl=False)
+        -> (nope, rope)
+
+Shapes: kv (rows, 1, R+Rr); loc (T,) int32; nope (T, 1, R); rope (T, 1, Rr); per_token_head
+buffers nope_buf (rows, 1, R) float8_e4m3fn, scale_buf (rows, 1, 1) float32, rope_buf
+(rows, 1, Rr) model dtype. Rows outside [0, rows) are never touched: writes are skipped,
+reads give zeros. Numerics: SPEC §3 (see `common.cast_from_f32`, `common.true_divide`).
+
+Design
+------
+Every kernel is a 1-D grid of programs (one warpgroup each); program b owns tokens
+[t0, t0 + B) with t0 = min(b*B, T - B): the last block is shifted back to end at T (it
+re-does a few tokens of its neighbour, writing identical bytes), so every copy is in bounds
+and any T >= 1 works without masking the token range.
+
+All data movement uses the TMA engine's plain bulk copies (``cp.async.bulk``: contiguous,
+16-byte sizes and addresses, no 256-element box limit and no tensor map), because a token
+row is contiguous in every buffer:
+
+* set: the block's ``nope`` and ``rope`` slices (contiguous in the inputs) arrive in shared
+  memory with two bulk loads on one barrier, while every thread reads the block's ``loc``
+  scalars from global memory. Then each in-range token gets its row(s) written with bulk
+  stores straight to ``kv[loc]`` (pl.when around each, so bad slots are skipped on every
+  backend). The program waits only until the stores have *read* shared memory.
+  - same dtype (pure copy): two stores per token (the nope part and the rope part of the
+    row); ``RowConfig.set_repack`` instead assembles whole rows in shared memory through
+    registers and writes one store per token.
+  - dtype change / fp8 storage: registers cast the block (through f32, fp8 saturating)
+    into a row-assembled buffer; one store per token.
+  - per_token_head: registers compute amax per row (a warp-local shuffle reduction in
+    `common.row_layout`, where each warp owns whole rows), the scale, the true-divided and
+    clipped fp8 ``q`` and the divided rope; one store per token for each of q and rope, and
+    the 4-byte scale (too small for a bulk copy) is a scalar global store.
+* get: mirrors set. Each token's row(s) arrive with bulk loads on one barrier (from the
+  cache row, or from a constant zero row when the slot is out of range, so the barrier
+  always sees the same number of arrivals); registers convert when needed; then one bulk
+  store per output block (contiguous in the outputs).
+
+Block size (`RowConfig`, `block_tokens`): B = ceil(T / target_programs) clamped to
+[1, max_block_tokens] (32; 28 for kernels that go through registers, whose shared-memory
+blocks must be 4 mod 8 rows, see `common.reg_block_rows`). Small T gives one token per
+program and up to T programs (lowest latency: one dependent load, then the copies); large
+T gives 32-token programs (36 KiB of shared memory each for bf16 576-wide rows, so several
+programs per SM keep many bulk copies in flight). Both limits are knobs for the GPU
+benchmark; nothing here is tuned on hardware yet.
+
+PDL (``pdl=True``): the kernel starts with ``griddepcontrol.wait`` (nothing is read before
+the previous kernel's writes are visible) and then lets dependents launch. Never in
+interpret mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import common
+from pallas_kernels.common import F32
+
+FP8_E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+AMAX_FLOOR = np.float32(1e-26)
+INV_FP8_MAX = np.float32(1.0) / np.float32(448.0)  # == float32(1/448), as PyTorch
+
+
+@dataclasses.dataclass(frozen=True)
+class RowConfig:
+  """Static tiling knobs of the row kernels (tune on the GPU; defaults are untuned).
+
+  Attributes:
+    max_block_tokens: most tokens per program for the pure-copy kernels.
+    max_reg_block_tokens: most tokens per program for kernels that pass rows through
+      registers (casts, quantization, repacking).
+    target_programs: below max_block_tokens, B is chosen to give about this many programs
+      (132 = SMs of an H100/H200), so small T spreads over the GPU.
+    set_repack: same-dtype set_rows assembles whole rows in shared memory (registers) and
+      writes one bulk store per token instead of two.
+    get_split: same-dtype get_rows loads each row as two bulk copies straight into the
+      nope and rope output blocks (no registers); False loads whole rows and splits them
+      in registers.
+  """
+
+  max_block_tokens: int = 32
+  max_reg_block_tokens: int = 28
+  target_programs: int = 132
+  set_repack: bool = False
+  get_split: bool = True
+
+
+DEFAULT_CONFIG = RowConfig()
+
+
+def block_tokens(num_tokens: int, max_tokens: int, target_programs: int) -> int:
+  """Tokens per program for a call with `num_tokens` tokens (>= 1, <= num_tokens)."""
+  b = -(-num_tokens // max(target_programs, 1))
+  return max(1, min(b, max_tokens, num_tokens))
+
+
+# ----------------------------------------------------------------------------------------
+# Validation helpers (trace time).
+
+
+def _check_loc(loc) -> None:
+  if loc.ndim != 1 or not jnp.issubdtype(loc.dtype, jnp.integer):
+    raise TypeError(f"loc must be a 1-D integer array, got {loc.dtype}{list(loc.shape)}")
+
+
+def _check_float(name, x) -> None:
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{name} must be a float array, got {x.dtype}")
+
+
+def _check_tokens(name, x, T, width) -> None:
+  if x.shape != (T, 1, width):
+    raise ValueError(f"{name} must have shape {(T, 1, width)}, got {x.shape}")
+
+
+def _check_buffer(name, x, dtypes) -> None:
+  if x.ndim != 3 or x.shape[1] != 1:
+    raise ValueError(f"{name} must have shape (rows, 1, width), got {x.shape}")
+  if jnp.dtype(x.dtype) not in dtypes:
+    raise TypeError(f"{name} dtype must be one of {[str(d) for d in dtypes]}, got {x.dtype}")
+
+
+def _check_bulk(name, width, dtype) -> None:
+  if (width * jnp.dtype(dtype).itemsize) % common.BULK_ALIGN:
+    raise NotImplementedError(
+        f"{name}: a row of {width} x {jnp.dtype(dtype)} is not a multiple of 16 bytes"
+    )
+
+
+def _pdl_prologue(pdl: bool, interpret: bool) -> None:
+  if pdl and not interpret:
+    plgpu.griddepcontrol_wait()
+    plgpu.griddepcontrol_launch_dependents()
+
+
+def _kernel(body, *, out_type, scratch, grid, name, interpret):
+  return plgpu.kernel(
+      body,
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=(grid,),
+      grid_names=("b",),
+      kernel_name=name,
+      # Every shared-memory hand-off in these kernels is synchronized explicitly
+      # (barrier_wait after bulk loads, commit_smem before bulk stores and before reading
+      # what other threads stored), so Mosaic's conservative automatic warpgroup barriers
+      # (one per bulk copy otherwise) are not needed.
+      compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
+      interpret=common.interpret_params() if interpret else None,
+  )
+
+
+def _block_start(B: int, T: int):
+  b = jax.lax.axis_index("b")
+  return jnp.minimum(b * B, T - B)
+
+
+_PROMISE = dict(oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+
+
+# ----------------------------------------------------------------------------------------
+# set_rows
+
+
+def set_rows(kv, loc, nope, rope, *, pdl: bool = False, config: RowConfig | None = None):
+  """Write rows ``kv[loc[i]] = concat(nope[i], rope[i])`` cast to kv.dtype, in place.
+
+  fp8 storage saturates at the format's max finite value (NaN stays NaN); all casts are
+  round-to-nearest-even through float32. Slots outside [0, rows) are skipped.
+  """
+  config = config or DEFAULT_CONFIG
+  _check_buffer("kv", kv, common.STORAGE_DTYPES)
+  _check_loc(loc)
+  T = loc.shape[0]
+  rows, W = kv.shape[0], kv.shape[2]
+  _check_float("nope", nope)
+  _check_float("rope", rope)
+  R = nope.shape[-1]
+  Rr = W - R
+  _check_tokens("nope", nope, T, R)
+  _check_tokens("rope", rope, T, Rr)
+  if T == 0:
+    return kv
+  loc = loc.astype(jnp.int32)
+  dtype = jnp.dtype(kv.dtype)
+  same = (
+      jnp.dtype(nope.dtype) == dtype
+      and jnp.dtype(rope.dtype) == dtype
+      and dtype != jnp.dtype(jnp.float8_e5m2)  # e5m2 inputs may hold inf: saturate
+  )
+  for name, width, dt in (("kv", W, dtype), ("kv nope part", R, dtype),
+                          ("nope", R, nope.dtype), ("rope", Rr, rope.dtype)):
+    _check_bulk(name, width, dt)
+  if same and not config.set_repack:
+    B = block_tokens(T, config.max_block_tokens, config.target_programs)
+    build = functools.partial(
+        _set_rows_copy, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype, B=B, pdl=pdl
+    )
+  else:
+    if common.row_layout_vec(R) is None or common.row_layout_vec(Rr) is None:
+      # No register layout for this width: cast with XLA, then the pure-copy kernel.
+      nope, rope = common.cast_to(nope, dtype), common.cast_to(rope, dtype)
+      return set_rows(kv, loc, nope, rope, pdl=pdl,
+                      config=dataclasses.replace(config, set_repack=False))
+    B = block_tokens(T, config.max_reg_block_tokens, config.target_programs)
+    build = functools.partial(
+        _set_rows_regs, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype,
+        in_dtypes=(jnp.dtype(nope.dtype), jnp.dtype(rope.dtype)), B=B, pdl=pdl,
+    )
+  out = common.dispatch(
+      build, kv.reshape(rows, W), loc, common.as_rows(nope), common.as_rows(rope)
+  )
+  return out.reshape(rows, 1, W)
+
+
+def _set_rows_copy(interpret, *, T, rows, R, Rr, dtype, B, pdl):
+  def body(loc_ref, n_ref, r_ref, kv_ref, nsm, rsm, bar):
+    _pdl_prologue(pdl, interpret)
+    t0 = _block_start(B, T)
+    plgpu.copy_gmem_to_smem(n_ref.at[pl.ds(t0, B)], nsm, bar, **_PROMISE)
+    plgpu.copy_gmem_to_smem(r_ref.at[pl.ds(t0, B)], rsm, bar, **_PROMISE)
+    rs = [loc_ref[t0 + i] for i in range(B)]
+    plgpu.barrier_wait(bar)
+    for i, r in enumerate(rs):
+      @pl.when(common.valid_row(r, rows))
+      def _():
+        plgpu.copy_smem_to_gmem(nsm.at[i], kv_ref.at[r, pl.ds(0, R)], commit_group=False)
+        plgpu.copy_smem_to_gmem(rsm.at[i], kv_ref.at[r, pl.ds(R, Rr)], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  kernel = _kernel(
+      body, out_type=(), grid=pl.cdiv(T, B), name="mla_set_rows", interpret=interpret,
+      scratch=[plgpu.SMEM((B, R), dtype), plgpu.SMEM((B, Rr), dtype),
+               plgpu.Barrier(num_arrivals=2)],
+  )
+
+  def run(kv2, loc, n2, r2):
+    kv_ref = jax.new_ref(kv2)
+    kernel(loc, n2, r2, kv_ref)
+    return jax.freeze(kv_ref)
+
+  return run
+
+
+def _set_rows_regs(interpret, *, T, rows, R, Rr, dtype, in_dtypes, B, pdl):
+  Bc = common.reg_block_rows(B)
+  W = R + Rr
+  # Element-wise casts: strided layouts (they can store into the strided row parts).
+  ln = common.strided_layout((Bc, R), in_dtypes[0])
+  lr = common.strided_layout((Bc, Rr), in_dtypes[1])
+
+  def body(loc_ref, n_ref, r_ref, kv_ref, nsm, rsm, osm, bar):
+    _pdl_prologue(pdl, interpret)
+    t0 = _block_start(B, T)
+    plgpu.copy_gmem_to_smem(n_ref.at[pl.ds(t0, B)], nsm.at[pl.ds(0, B)], bar, **_PROMISE)
+    plgpu.copy_gmem_to_smem(r_ref.at[pl.ds(t0, B)], rsm.at[pl.ds(0, B)], bar, **_PROMISE)
+    rs = [loc_ref[t0 + i] for i in range(B)]
+    plgpu.barrier_wait(bar)
+    osm.at[:, pl.ds(0, R)][...] = common.cast_to(plgpu.load(nsm, layout=ln), dtype)
+    osm.at[:, pl.ds(R, Rr)][...] = common.cast_to(plgpu.load(rsm, layout=lr), dtype)
+    plgpu.commit_smem()
+    for i, r in enumerate(rs):
+      @pl.when(common.valid_row(r, rows))
+      def _():
+        plgpu.copy_smem_to_gmem(osm.at[i], kv_ref.at[r], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  kernel = _kernel(
+      body, out_type=(), grid=pl.cdiv(T, B), name="mla_set_rows_cast", interpret=interpret,
+      scratch=[plgpu.SMEM((Bc, R), in_dtypes[0]), plgpu.SMEM((Bc, Rr), in_dtypes[1]),
+               plgpu.SMEM((Bc, W), dtype), plgpu.Barrier(num_arrivals=2)],
+  )
+
+  def run(kv2, loc, n2, r2):
+    kv_ref = jax.new_ref(kv2)
+    kernel(loc, n2, r2, kv_ref)
+    return jax.freeze(kv_ref)
+
+  return run
+
+
+# ----------------------------------------------------------------------------------------
+# set_rows_per_token_head
+
+
+def set_rows_per_token_head(
+    nope_buf, scale_buf, rope_buf, loc, nope, rope, *, pdl: bool = False,
+    config: RowConfig | None = None,
+):
+  """Quantize token rows (SPEC §3) and write them to the three buffers, in one kernel.
+
+  Per row, in float32: amax = max|nope|; scale = max(amax, 1e-26) * float32(1/448);
+  q = clip(nope / scale, -448, 448) -> float8_e4m3fn; rope_stored = (rope / scale) ->
+  rope_buf.dtype; true IEEE divisions, round-to-nearest-even; NaN propagates.
+  """
+  config = config or DEFAULT_CONFIG
+  _check_buffer("nope_buf", nope_buf, (FP8_E4M3,))
+  _check_buffer("scale_buf", scale_buf, (jnp.dtype(F32),))
+  _check_buffer("rope_buf", rope_buf, common.MODEL_DTYPES)
+  _check_loc(loc)
+  T = loc.shape[0]
+  rows, R, Rr = nope_buf.shape[0], nope_buf.shape[2], rope_buf.shape[2]
+  if scale_buf.shape != (rows, 1, 1) or rope_buf.shape[0] != rows:
+    raise ValueError(
+        f"buffers disagree: nope_buf {nope_buf.shape}, scale_buf {scale_buf.shape} "
+        f"(expected {(rows, 1, 1)}), rope_buf {rope_buf.shape}"
+    )
+  _check_float("nope", nope)
+  _check_float("rope", rope)
+  _check_tokens("nope", nope, T, R)
+  _check_tokens("rope", rope, T, Rr)
+  if T == 0:
+    return nope_buf, scale_buf, rope_buf
+  if common.row_layout_vec(R) is None or common.row_layout_vec(Rr) is None:
+    raise NotImplementedError(
+        f"per_token_head kernel needs R and Rr multiples of 32, got R={R}, Rr={Rr}"
+    )
+  for name, width, dt in (("nope_buf", R, FP8_E4M3), ("rope_buf", Rr, rope_buf.dtype),
+                          ("nope", R, nope.dtype), ("rope", Rr, rope.dtype)):
+    _check_bulk(name, width, dt)
+  B = block_tokens(T, config.max_reg_block_tokens, config.target_programs)
+  build = functools.partial(
+      _set_pth, T=T, rows=rows, R=R, Rr=Rr, rope_dtype=jnp.dtype(rope_buf.dtype),
+      in_dtypes=(jnp.dtype(nope.dtype), jnp.dtype(rope.dtype)), B=B, pdl=pdl,
+  )
+  q, s, r = common.dispatch(
+      build, nope_buf.reshape(rows, R), scale_buf.reshape(rows), rope_buf.reshape(rows, Rr),
+      loc.astype(jnp.int32), common.as_rows(nope), common.as_rows(rope),
+  )
+  return q.reshape(rows, 1, R), s.reshape(rows, 1, 1), r.reshape(rows, 1, Rr)
+
+
+def _set_pth(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, B, pdl):
+  Bc = common.reg_block_rows(B)
+  ln, lr = common.row_layout(R), common.row_layout(Rr)
+
+  def body(loc_ref, n_ref, r_ref, qb_ref, sb_ref, rb_ref, nsm, rsm, qsm, rosm, ssm, bar):
+    _pdl_prologue(pdl, interpret)
+    t0 = _block_start(B, T)
+    plgpu.copy_gmem_to_smem(n_ref.at[pl.ds(t0, B)], nsm.at[pl.ds(0, B)], bar, **_PROMISE)
+    plgpu.copy_gmem_to_smem(r_ref.at[pl.ds(t0, B)], rsm.at[pl.ds(0, B)], bar, **_PROMISE)
+    rs = [loc_ref[t0 + i] for i in range(B)]
+    plgpu.barrier_wait(bar)
+    x = plgpu.load(nsm, layout=ln).astype(F32)
+    amax = jnp.max(jnp.abs(x), axis=1)
+    scale = jnp.maximum(amax, AMAX_FLOOR) * INV_FP8_MAX
+    qsm[...] = common.cast_from_f32(common.true_divide(x, scale, interpret), FP8_E4M3)
+    y = plgpu.load(rsm, layout=lr).astype(F32)
+    rosm[...] = common.cast_from_f32(common.true_divide(y, scale, interpret), rope_dtype)
+    ssm[...] = scale
+    plgpu.commit_smem()  # fence for the bulk stores + warpgroup barrier for ssm reads
+    for i, r in enumerate(rs):
+      @pl.when(common.valid_row(r, rows))
+      def _():
+        plgpu.copy_smem_to_gmem(qsm.at[i], qb_ref.at[r], commit_group=False)
+        plgpu.copy_smem_to_gmem(rosm.at[i], rb_ref.at[r], commit_group=False)
+        sb_ref[r] = ssm[i]
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  kernel = _kernel(
+      body, out_type=(), grid=pl.cdiv(T, B), name="mla_set_rows_per_token_head",
+      interpret=interpret,
+      scratch=[plgpu.SMEM((Bc, R), in_dtypes[0]), plgpu.SMEM((Bc, Rr), in_dtypes[1]),
+               plgpu.SMEM((Bc, R), FP8_E4M3), plgpu.SMEM((Bc, Rr), rope_dtype),
+               plgpu.SMEM((Bc,), F32), plgpu.Barrier(num_arrivals=2)],
+  )
+
+  def run(q2, s1, r2, loc, n2, rr2):
+    refs = [jax.new_ref(a) for a in (q2, s1, r2)]
+    kernel(loc, n2, rr2, *refs)
+    return tuple(jax.freeze(ref) for ref in refs)
+
+  return run
+
+
+# ----------------------------------------------------------------------------------------
+# get_rows
+
+
+def get_rows(kv, loc, *, kv_lora_rank: int, dst_dtype, pdl: bool = False,
+             config: RowConfig | None = None):
+  """Gather rows ``kv[loc]`` as (nope (T,1,R), rope (T,1,Rr)) cast to dst_dtype.
+
+  Out-of-range slots read as zeros. Casts go through float32; an fp8 dst_dtype saturates.
+  """
+  config = config or DEFAULT_CONFIG
+  _check_buffer("kv", kv, common.STORAGE_DTYPES)
+  _check_loc(loc)
+  rows, W = kv.shape[0], kv.shape[2]
+  R = int(kv_lora_rank)
+  Rr = W - R
+  if not 0 < R < W:
+    raise ValueError(f"kv_lora_rank must be in (0, {W}), got {kv_lora_rank}")
+  dst = jnp.dtype(dst_dtype)
+  if not jnp.issubdtype(dst, jnp.floating):
+    raise TypeError(f"dst_dtype must be a float dtype, got {dst}")
+  T = loc.shape[0]
+  if T == 0:
+    return jnp.zeros((0, 1, R), dst), jnp.zeros((0, 1, Rr), dst)
+  dtype = jnp.dtype(kv.dtype)
+  for name, width, dt in (("kv", W, dtype), ("kv nope part", R, dtype),
+                          ("nope", R, dst), ("rope", Rr, dst)):
+    _check_bulk(name, width, dt)
+  same = dst == dtype and dtype != jnp.dtype(jnp.float8_e5m2)
+  if same and config.get_split:
+    B = block_tokens(T, config.max_block_tokens, config.target_programs)
+    build = functools.partial(
+        _get_rows_copy, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype, B=B, pdl=pdl
+    )
+  else:
+    if common.row_layout_vec(R) is None or common.row_layout_vec(Rr) is None:
+      nope, rope = get_rows(kv, loc, kv_lora_rank=R, dst_dtype=dtype, pdl=pdl,
+                            config=dataclasses.replace(config, get_split=True))
+      return common.cast_to(nope, dst), common.cast_to(rope, dst)
+    B = block_tokens(T, config.max_reg_block_tokens, config.target_programs)
+    build = functools.partial(
+        _get_rows_regs, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype, dst=dst, B=B, pdl=pdl
+    )
+  nope, rope = common.dispatch(
+      build, kv.reshape(rows, W), loc.astype(jnp.int32), common.zeros_row(W, dtype)
+  )
+  return nope.reshape(T, 1, R), rope.reshape(T, 1, Rr)
+
+
+def _load_row_or_zeros(src, zeros, dst, bar, r, rows):
+  """Bulk-load row r of `src` (a ref view per row: src(r)) into dst, or zeros if r is bad.
+
+  Exactly one of the two copies runs, so the barrier always sees one arrival.
+  """
+  @pl.when(common.valid_row(r, rows))
+  def _():
+    plgpu.copy_gmem_to_smem(src(r), dst, bar, **_PROMISE)
+
+  @pl.when(common.invalid_row(r, rows))
+  def _():
+    plgpu.copy_gmem_to_smem(zeros, dst, bar, **_PROMISE)
+
+
+def _get_rows_copy(interpret, *, T, rows, R, Rr, dtype, B, pdl):
+  def body(kv_ref, loc_ref, z_ref, on_ref, or_ref, nsm, rsm, bar):
+    _pdl_prologue(pdl, interpret)
+    t0 = _block_start(B, T)
+    for i in range(B):
+      r = loc_ref[t0 + i]
+      _load_row_or_zeros(lambda r: kv_ref.at[r, pl.ds(0, R)], z_ref.at[0, pl.ds(0, R)],
+                         nsm.at[i], bar, r, rows)
+      _load_row_or_zeros(lambda r: kv_ref.at[r, pl.ds(R, Rr)], z_ref.at[0, pl.ds(R, Rr)],
+                         rsm.at[i], bar, r, rows)
+    plgpu.barrier_wait(bar)
+    plgpu.copy_smem_to_gmem(nsm, on_ref.at[pl.ds(t0, B)], commit_group=False)
+    plgpu.copy_smem_to_gmem(rsm, or_ref.at[pl.ds(t0, B)], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  return _kernel(
+      body, grid=pl.cdiv(T, B), name="mla_get_rows", interpret=interpret,
+      out_type=(jax.ShapeDtypeStruct((T, R), dtype), jax.ShapeDtypeStruct((T, Rr), dtype)),
+      scratch=[plgpu.SMEM((B, R), dtype), plgpu.SMEM((B, Rr), dtype),
+               plgpu.Barrier(num_arrivals=2 * B)],
+  )
+
+
+def _get_rows_regs(interpret, *, T, rows, R, Rr, dtype, dst, B, pdl):
+  Bc = common.reg_block_rows(B)
+  W = R + Rr
+  ln = common.strided_layout((Bc, R), dtype)
+  lr = common.strided_layout((Bc, Rr), dtype)
+
+  def body(kv_ref, loc_ref, z_ref, on_ref, or_ref, csm, nsm, rsm, bar):
+    _pdl_prologue(pdl, interpret)
+    t0 = _block_start(B, T)
+    for i in range(B):
+      r = loc_ref[t0 + i]
+      _load_row_or_zeros(lambda r: kv_ref.at[r], z_ref.at[0], csm.at[i], bar, r, rows)
+    plgpu.barrier_wait(bar)
+    nsm[...] = common.cast_to(plgpu.load(csm.at[:, pl.ds(0, R)], layout=ln), dst)
+    rsm[...] = common.cast_to(plgpu.load(csm.at[:, pl.ds(R, Rr)], layout=lr), dst)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(nsm.at[pl.ds(0, B)], on_ref.at[pl.ds(t0, B)], commit_group=False)
+    plgpu.copy_smem_to_gmem(rsm.at[pl.ds(0, B)], or_ref.at[pl.ds(t0, B)], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  return _kernel(
+      body, grid=pl.cdiv(T, B), name="mla_get_rows_cast", interpret=interpret,
+      out_type=(jax.ShapeDtypeStruct((T, R), dst), jax.ShapeDtypeStruct((T, Rr), dst)),
+      scratch=[plgpu.SMEM((Bc, W), dtype), plgpu.SMEM((Bc, R), dst),
+               plgpu.SMEM((Bc, Rr), dst), plgpu.Barrier(num_arrivals=B)],
+  )
+
+
+# ----------------------------------------------------------------------------------------
+# get_rows_per_token_head
+
+
+def get_rows_per_token_head(
+    nope_buf, scale_buf, rope_buf, loc, *, dst_dtype, pdl: bool = False,
+    config: RowConfig | None = None,
+):
+  """Gather and dequantize rows: nope = f32(q) * scale, rope = f32(rope_stored) * scale,
+  both cast to dst_dtype (fp8 saturates). Out-of-range slots read as zeros."""
+  config = config or DEFAULT_CONFIG
+  _check_buffer("nope_buf", nope_buf, (FP8_E4M3,))
+  _check_buffer("scale_buf", scale_buf, (jnp.dtype(F32),))
+  _check_buffer("rope_buf", rope_buf, common.MODEL_DTYPES)
+  _check_loc(loc)
+  rows, R, Rr = nope_buf.shape[0], nope_buf.shape[2], rope_buf.shape[2]
+  if scale_buf.shape != (rows, 1, 1) or rope_buf.shape[0] != rows:
+    raise ValueError(
+        f"buffers disagree: nope_buf {nope_buf.shape}, scale_buf {scale_buf.shape} "
+        f"(expected {(rows, 1, 1)}), rope_buf {rope_buf.shape}"
+    )
+  dst = jnp.dtype(dst_dtype)
+  if not jnp.issubdtype(dst, jnp.floating):
+    raise TypeError(f"dst_dtype must be a float dtype, got {dst}")
+  T = loc.shape[0]
+  if T == 0:
+    return jnp.zeros((0, 1, R), dst), jnp.zeros((0, 1, Rr), dst)
+  if common.row_layout_vec(R) is None or common.row_layout_vec(Rr) is None:
+    raise NotImplementedError(
+        f"per_token_head kernel needs R and Rr multiples of 32, got R={R}, Rr={Rr}"
+    )
+  rope_dtype = jnp.dtype(rope_buf.dtype)
+  for name, width, dt in (("nope_buf", R, FP8_E4M3), ("rope_buf", Rr, rope_dtype),
+                          ("nope", R, dst), ("rope", Rr, dst)):
+    _check_bulk(name, width, dt)
+  B = block_tokens(T, config.max_reg_block_tokens, config.target_programs)
+  build = functools.partial(
+      _get_pth, T=T, rows=rows, R=R, Rr=Rr, rope_dtype=rope_dtype, dst=dst, B=B, pdl=pdl
+  )
+  nope, rope = common.dispatch(
+      build, nope_buf.reshape(rows, R), scale_buf.reshape(rows), rope_buf.reshape(rows, Rr),
+      loc.astype(jnp.int32), common.zeros_row(R, FP8_E4M3), common.zeros_row(Rr, rope_dtype),
+  )
+  return nope.reshape(T, 1, R), rope.reshape(T, 1, Rr)
+
+
+def _get_pth(interpret, *, T, rows, R, Rr, rope_dtype, dst, B, pdl):
+  Bc = common.reg_block_rows(B)
+  ln, lr = common.row_layout(R), common.row_layout(Rr)
+
+  def body(qb_ref, sb_ref, rb_ref, loc_ref, zq_ref, zr_ref, on_ref, or_ref,
+           qsm, rsm, ssm, nsm, orsm, bar):
+    _pdl_prologue(pdl, interpret)
+    t0 = _block_start(B, T)
+    rs = []
+    for i in range(B):
+      r = loc_ref[t0 + i]
+      rs.append(r)
+      _load_row_or_zeros(lambda r: qb_ref.at[r], zq_ref.at[0], qsm.at[i], bar, r, rows)
+      _load_row_or_zeros(lambda r: rb_ref.at[r], zr_ref.at[0], rsm.at[i], bar, r, rows)
+    for i, r in enumerate(rs):
+      ok = common.valid_row(r, rows)
+      s = sb_ref[jnp.where(ok, r, 0)]  # always an in-bounds read
+      ssm[i] = jnp.where(ok, s, jnp.float32(0))
+    for i in range(B, Bc):
+      ssm[i] = jnp.float32(0)
+    plgpu.barrier_wait(bar)
+    plgpu.commit_smem()  # warpgroup barrier: every thread's ssm stores are visible
+    scale = plgpu.load(ssm, layout=ln.reduce(1))
+    x = plgpu.load(qsm, layout=ln).astype(F32) * scale[:, None]
+    nsm[...] = common.cast_from_f32(x, dst)
+    y = plgpu.load(rsm, layout=lr).astype(F32) * scale[:, None]
+    orsm[...] = common.cast_from_f32(y, dst)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(nsm.at[pl.ds(0, B)], on_ref.at[pl.ds(t0, B)], commit_group=False)
+    plgpu.copy_smem_to_gmem(orsm.at[pl.ds(0, B)], or_ref.at[pl.ds(t0, B)], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  return _kernel(
+      body, grid=pl.cdiv(T, B), name="mla_get_rows_per_token_head", interpret=interpret,
+      out_type=(jax.ShapeDtypeStruct((T, R), dst), jax.ShapeDtypeStruct((T, Rr), dst)),
+      scratch=[plgpu.SMEM((Bc, R), FP8_E4M3), plgpu.SMEM((Bc, Rr), rope_dtype),
+               plgpu.SMEM((Bc,), F32), plgpu.SMEM((Bc, R), dst), plgpu.SMEM((Bc, Rr), dst),
+               plgpu.Barrier(num_arrivals=2 * B)],
+  )
