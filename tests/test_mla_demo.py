@@ -151,3 +151,17 @@ def test_reusing_a_donated_cache_raises(run):
   with pytest.raises(RuntimeError, match="deleted|donated"):
     run["decode"](run["params"], cache, *args)
   jax.block_until_ready(new)
+
+
+def test_demo_cli_runs(capsys):
+  from jax_mla_cache import demo
+
+  results = demo.main(["--layers", "1", "--steps", "2", "--batch", "2", "--prompt-len", "4",
+                       "--op-iters", "2"])
+  out = capsys.readouterr().out
+  assert results["implementation"] == mc.resolve_implementation(None)
+  for row in ("decode", "set_mla_kv_buffer", "get_mla_kv_buffer", "cache bytes",
+              results["implementation"]):
+    assert row in out
+  chex.assert_shape(results["generated"], (2, 2))
+  assert results["decode_tokens_per_s"] > 0

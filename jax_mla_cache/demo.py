@@ -1,0 +1,224 @@
+"""The cache inside a model: prefill + greedy decode of a DeepSeek-style MLA model.
+
+    python -m jax_mla_cache demo [--layers N] [--steps N] [--batch N] [--prompt-len N]
+                                 [--quant {none,per_token_head}]
+                                 [--implementation {auto,xla,pallas}]
+
+On a GPU: the DeepSeek-V3 cache (61 layers, 2^18 rows of 512 + 64, page 64) under a
+small random-weight model (`jax_mla_cache.models.mla_demo`), batch 32. On CPU: a
+2-layer model on a small cache, well under a minute. Prints a progress line per
+decode step, then a table: tokens/s, the time of the two cache ops the model calls
+per layer (`set_mla_kv_buffer` with the decode step's B rows, `get_mla_kv_buffer`
+with its B x context rows; timed alone, as `jax_mla_cache.bench` times them),
+the cache's bytes, the implementation and the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_mla_cache as mc
+from jax_mla_cache import bench
+from jax_mla_cache.models import mla_demo
+
+GPU_MODEL = dict(hidden_size=1024, num_heads=16, qk_nope_head_dim=128, v_head_dim=128,
+                 mlp_size=2048, vocab_size=8192)
+"""Model shapes under the 61-layer cache on a GPU (the weights are random; the cache
+dims are DeepSeek-V3's, the model's are smaller so the weights stay ~1.5 GB)."""
+
+
+def _parse(argv: list[str], on_gpu: bool) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+      prog="python -m jax_mla_cache demo", description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--layers", type=int, default=61 if on_gpu else 2)
+  parser.add_argument("--steps", type=int, default=64 if on_gpu else 16, help="decode steps")
+  parser.add_argument("--batch", type=int, default=32 if on_gpu else 4)
+  parser.add_argument("--prompt-len", type=int, default=512 if on_gpu else 32)
+  parser.add_argument("--quant", choices=("none", "per_token_head"), default="none",
+                      help="cache storage: plain bf16, or per_token_head fp8")
+  parser.add_argument("--implementation", choices=("auto", "xla", "pallas"), default="auto",
+                      help="cache ops: auto = Pallas on Hopper+ GPUs, XLA elsewhere")
+  parser.add_argument("--model-dtype", choices=("float32", "bfloat16"),
+                      default="bfloat16" if on_gpu else "float32",
+                      help="the model's matmul dtype (the cache stores bf16 or fp8 either way)")
+  parser.add_argument("--op-iters", type=int, default=50 if on_gpu else 10,
+                      help="calls per cache-op timing")
+  args = parser.parse_args(argv)
+  for name in ("layers", "steps", "batch", "prompt_len", "op_iters"):
+    if getattr(args, name) < 1:
+      parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  return args
+
+
+def cache_config(args: argparse.Namespace, on_gpu: bool) -> mc.MLACacheConfig:
+  """DeepSeek-V3's cache on a GPU, a small one sized to the batch on CPU."""
+  if on_gpu:
+    cfg = mc.DEEPSEEK_V3.replace(layer_num=args.layers)
+  else:
+    pages = args.batch * -(-(args.prompt_len + args.steps) // mc.SMALL.page_size)
+    cfg = mc.SMALL.replace(layer_num=args.layers, size=pages * mc.SMALL.page_size)
+  if args.quant == "per_token_head":
+    cfg = cfg.replace(dtype=jnp.float8_e4m3fn, quant_method="per_token_head")
+  return cfg
+
+
+def _progress(step: int, total: int, seconds: float, tty: bool) -> None:
+  width = 30
+  done = width * step // total
+  line = f"  decode {step:4d}/{total} [{'#' * done}{'.' * (width - done)}] {seconds * 1e3:8.2f} ms"
+  if tty:
+    print("\r" + line, end="\n" if step == total else "", flush=True)
+  else:
+    print(line, flush=True)
+
+
+def time_cache_ops(
+    cache: mc.MLAKVCache, write_loc: np.ndarray, read_loc: np.ndarray,
+    implementation: str | None, iters: int,
+) -> tuple[dict[str, float], str, mc.MLAKVCache]:
+  """Microseconds per call of layer 0's set (rows `write_loc`) and get (rows `read_loc`).
+
+  Returns ({"set_mla_kv_buffer": us, "get_mla_kv_buffer": us}, method, cache). The
+  cache is donated through the set calls and handed back.
+  """
+  cfg = cache.config
+  rng = np.random.default_rng(0)
+  shape = lambda width: (len(write_loc), 1, width)
+  nope = jnp.asarray(rng.standard_normal(shape(cfg.kv_lora_rank), np.float32), cfg.model_dtype)
+  rope = jnp.asarray(rng.standard_normal(shape(cfg.qk_rope_head_dim), np.float32), cfg.model_dtype)
+  write_loc, read_loc = jnp.asarray(write_loc), jnp.asarray(read_loc)
+
+  def set_step(cache):
+    return mc.set_mla_kv_buffer(cache, 0, write_loc, nope, rope, implementation=implementation)
+
+  def get_step(_):
+    return mc.get_mla_kv_buffer(cache, 0, read_loc, implementation=implementation)
+
+  set_us, cache, method = bench.time_per_call(set_step, cache, iters)
+  get_us, _, _ = bench.time_per_call(get_step, None, iters)
+  return {"set_mla_kv_buffer": set_us, "get_mla_kv_buffer": get_us}, method, cache
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+  """Run the demo; returns the figures of the final table."""
+  device = jax.devices()[0]
+  on_gpu = device.platform == "gpu"
+  args = _parse(list(sys.argv[1:] if argv is None else argv), on_gpu)
+  implementation = None if args.implementation == "auto" else args.implementation
+  resolved = mc.resolve_implementation(implementation)
+  cache_cfg = cache_config(args, on_gpu)
+  model_cfg = mla_demo.MLADemoConfig(
+      cache=cache_cfg, dtype=getattr(jnp, args.model_dtype), **(GPU_MODEL if on_gpu else {}))
+  B, S, steps = args.batch, args.prompt_len, args.steps
+  print(f"jax_mla_cache demo on {device.device_kind} ({device.platform}), jax {jax.__version__}, "
+        f"cache ops: {resolved}")
+  print(f"  model: {args.layers} layers, hidden {model_cfg.hidden_size}, {model_cfg.num_heads} heads, "
+        f"{args.model_dtype}; cache: {cache_cfg.rows} rows x "
+        f"({cache_cfg.kv_lora_rank} + {cache_cfg.qk_rope_head_dim}), "
+        f"{args.quant}, {_bytes(cache_cfg.kv_size_bytes)}")
+  print(f"  batch {B}, prompt {S} tokens, {steps} decode steps", flush=True)
+
+  t0 = time.perf_counter()
+  params = mla_demo.init_params(model_cfg, seed=0)
+  cache = mc.init_cache(cache_cfg)
+  page_table = jnp.asarray(mla_demo.make_page_table(B, S + steps, cache_cfg))
+  prompt = jnp.asarray(np.random.default_rng(1).integers(0, model_cfg.vocab_size, (B, S)), jnp.int32)
+  lengths = jnp.full((B,), S, jnp.int32)
+  jax.block_until_ready((params, cache))
+  setup_s = time.perf_counter() - t0
+
+  t0 = time.perf_counter()
+  prefill = mla_demo.prefill.lower(
+      params, cache, prompt, lengths, page_table, implementation=implementation).compile()
+  decode = mla_demo.decode.lower(
+      params, cache, prompt[:, 0], lengths, page_table, implementation=implementation).compile()
+  compile_s = time.perf_counter() - t0
+  print(f"  set-up {setup_s:.1f} s, compile {compile_s:.1f} s", flush=True)
+
+  t0 = time.perf_counter()
+  logits, cache = prefill(params, cache, prompt, lengths, page_table)
+  logits.block_until_ready()
+  prefill_s = time.perf_counter() - t0
+  print(f"  prefill {B} x {S} tokens: {prefill_s * 1e3:.1f} ms", flush=True)
+
+  greedy = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+  greedy(logits).block_until_ready()  # compiled before the clock starts
+  positions = [jnp.full((B,), S + i, jnp.int32) for i in range(steps)]
+  tty = sys.stdout.isatty()
+  generated = []
+  decode_start = time.perf_counter()
+  for i in range(steps):
+    t0 = time.perf_counter()
+    tokens = greedy(logits)
+    logits, cache = decode(params, cache, tokens, positions[i], page_table)
+    logits.block_until_ready()
+    generated.append(tokens)
+    _progress(i + 1, steps, time.perf_counter() - t0, tty)
+  decode_s = time.perf_counter() - decode_start
+
+  # The rows the last decode step wrote and read, per layer.
+  C = page_table.shape[1] * cache_cfg.page_size
+  write_loc = np.asarray(mla_demo.token_slots(page_table, (lengths + steps - 1)[:, None],
+                                              cache_cfg.page_size)).reshape(B)
+  read_loc = np.asarray(mla_demo.token_slots(
+      page_table, jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C)),
+      cache_cfg.page_size)).reshape(B * C)
+  op_us, method, cache = time_cache_ops(cache, write_loc, read_loc, implementation, args.op_iters)
+
+  context_tokens = B * (S + steps)
+  results = {
+      "device": f"{device.device_kind} ({device.platform})",
+      "implementation": resolved,
+      "layers": args.layers,
+      "batch": B,
+      "prefill_tokens_per_s": B * S / prefill_s,
+      "decode_tokens_per_s": B * steps / decode_s,
+      "decode_ms_per_step": decode_s / steps * 1e3,
+      "set_mla_kv_buffer_us": op_us["set_mla_kv_buffer"],
+      "get_mla_kv_buffer_us": op_us["get_mla_kv_buffer"],
+      "op_timing": method,
+      "cache_bytes": cache_cfg.kv_size_bytes,
+      "context_bytes": context_tokens * cache_cfg.row_bytes * cache_cfg.layer_num,
+      "generated": np.asarray(jnp.stack(generated, axis=1)) if generated else np.zeros((B, 0)),
+  }
+  _print_table(results, B, C, cache_cfg)
+  return results
+
+
+def _bytes(n: int) -> str:
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= size:
+      return f"{n:,} B ({n / size:.2f} {unit})"
+  return f"{n:,} B"
+
+
+def _print_table(r: dict[str, Any], batch: int, context: int, cfg: mc.MLACacheConfig) -> None:
+  rows = [
+      ("device", r["device"]),
+      ("cache ops implementation", r["implementation"]),
+      ("prefill", f"{r['prefill_tokens_per_s']:,.0f} tokens/s"),
+      ("decode", f"{r['decode_tokens_per_s']:,.0f} tokens/s ({r['decode_ms_per_step']:.2f} ms/step, "
+                 f"batch {r['batch']}, {r['layers']} layers)"),
+      (f"set_mla_kv_buffer, {batch} rows", f"{r['set_mla_kv_buffer_us']:,.1f} us/call"),
+      (f"get_mla_kv_buffer, {batch * context} rows", f"{r['get_mla_kv_buffer_us']:,.1f} us/call"),
+      ("cache op timing", r["op_timing"] + (" (device time, profiler)" if r["op_timing"] == "profiler"
+                                            else " (wall clock per call, incl. dispatch)")),
+      ("cache bytes (all layers)", _bytes(r["cache_bytes"])),
+      ("bytes of cached context", f"{_bytes(r['context_bytes'])} ({cfg.row_bytes} B/row/layer)"),
+  ]
+  width = max(len(k) for k, _ in rows)
+  print()
+  for key, value in rows:
+    print(f"  {key:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+  main()
