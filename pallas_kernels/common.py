@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -82,6 +83,11 @@ def interpret_params() -> plgpu.InterpretGPUParams:
   return plgpu.InterpretGPUParams(out_of_bounds_reads="raise")
 
 
+# The Mosaic GPU interpreter keeps global state; shards of a sharded cache run their
+# callbacks concurrently (one thread per CPU device), so interpreted kernels run one at a time.
+_INTERPRET_LOCK = threading.Lock()
+
+
 def dispatch(build: Callable[[bool], Callable[..., Any]], *args):
   """Run ``build(interpret)(*args)``: the real kernel for CUDA, interpret mode elsewhere.
 
@@ -97,8 +103,12 @@ def dispatch(build: Callable[[bool], Callable[..., Any]], *args):
   out_types = jax.eval_shape(build(False), *args)
   interpret = jax.jit(build(True))
 
+  def run_interpreted(*x):
+    with _INTERPRET_LOCK:
+      return jax.device_get(interpret(*x))
+
   def on_other(*a):
-    return jax.pure_callback(lambda *x: jax.device_get(interpret(*x)), out_types, *a)
+    return jax.pure_callback(run_interpreted, out_types, *a)
 
   return lax.platform_dependent(*args, cuda=build(False), default=on_other)
 

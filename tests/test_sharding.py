@@ -16,7 +16,7 @@ from tests.test_inplace import copies_of_cache
 from tests.test_ops import rows_input
 
 PLAIN = mc.MLACacheConfig(size=120, page_size=8, kv_lora_rank=64, qk_rope_head_dim=16, layer_num=2)
-QUANT = PLAIN.replace(dtype=jnp.float8_e4m3fn, quant_method="per_token_head")
+QUANT = PLAIN.replace(dtype=jnp.float8_e4m3fn, quant_method="per_token_head", layer_num=1)
 TOKENS = 8  # per call; differs from every shard's row count, so the HLO copy check is unambiguous
 KINDS = sh.LAYOUT_KINDS
 
