@@ -48,6 +48,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import common
+
 _BULK_ALIGN = 16  # cp.async.bulk and TMA need 16-byte sizes, addresses and strides.
 
 
@@ -211,21 +213,13 @@ def _endangered(tgt, src):
 
 
 def _on_platform(fn: Callable, *args):
-  """Calls ``fn(interpret, *args)`` (arrays in, arrays out) for the lowering platform.
+  """Calls ``fn(interpret, *args)`` (arrays in, arrays out) through ``common.dispatch``.
 
-  The real kernel runs for CUDA (also when lowering for CUDA on a host without a GPU); for
-  CPU, Mosaic GPU interpret mode runs inside a ``pure_callback``. (Interpret mode has an
-  ordered IO effect; ``cond`` lowering keeps only the branch of the lowering platform but
-  still expects that effect's token, so a bare interpret branch breaks CUDA lowering. The
-  callback hides the effect.)
+  ``interpret`` is None for the real CUDA kernel, else interpret-mode parameters.
   """
-  out_types = jax.eval_shape(functools.partial(fn, None), *args)
-  interpret = jax.jit(functools.partial(fn, plgpu.InterpretGPUParams()))
-
-  def on_cpu(*args):
-    return jax.pure_callback(lambda *a: jax.device_get(interpret(*a)), out_types, *args)
-
-  return jax.lax.platform_dependent(*args, cpu=on_cpu, cuda=functools.partial(fn, None))
+  return common.dispatch(
+      lambda interpret: functools.partial(
+          fn, common.interpret_params() if interpret else None), *args)
 
 
 def _in_place(run: Callable, interpret, buffers, *args):
@@ -510,13 +504,15 @@ def _save_endangered(interpret, views, item_src, item_save, *, narrow, num_items
     for k, (source, temp, n) in enumerate(zip(sources, temps, narrow)):
 
       def scoped(stage, barriers, source=source, temp=temp, n=n):
-        for i in range(per_program):
+        @pl.loop(0, per_program)
+        def _(i):
           @pl.when(save_smem[i] != 0)
           def _():
             _load(_source(source, n, src_smem[i], item_rows, rows), stage.at[i],
                   barriers.at[i], narrow=n)
 
-        for i in range(per_program):
+        @pl.loop(0, per_program)
+        def _(i):
           @pl.when(save_smem[i] != 0)
           def _():
             plgpu.barrier_wait(barriers.at[i])
@@ -525,7 +521,7 @@ def _save_endangered(interpret, views, item_src, item_save, *, narrow, num_items
             plgpu.copy_smem_to_gmem(stage.at[i], slot, commit_group=False)
 
         plgpu.commit_smem_to_gmem_group()
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       pl.when(buffer_index == k)(functools.partial(
           pl.run_scoped, scoped, _stage_type(source, n, per_program, item_rows),
@@ -564,7 +560,8 @@ def _move_items(refs, item_src, item_tgt, item_save, temps, *, narrow, num_items
     for k, (buffer, temp, n) in enumerate(zip(buffers, saved, narrow)):
 
       def scoped(stage, barriers, buffer=buffer, temp=temp, n=n):
-        for i in range(per_program):
+        @pl.loop(0, per_program)
+        def _(i):
           moved = tgt_smem[i] >= 0
           from_temp = save_smem[i] != 0
 
@@ -579,7 +576,8 @@ def _move_items(refs, item_src, item_tgt, item_save, temps, *, narrow, num_items
             _load(_source(buffer, n, src_smem[i], item_rows, rows), stage.at[i],
                   barriers.at[i], narrow=n)
 
-        for i in range(per_program):
+        @pl.loop(0, per_program)
+        def _(i):
           row = tgt_smem[i]
 
           @pl.when(row >= 0)

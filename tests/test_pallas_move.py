@@ -1,0 +1,265 @@
+"""pallas_kernels.move: bit-exact against a numpy model (CPU interpret mode and GPU).
+
+CPU: interpret mode runs programs one after another, so shapes are small. Every path is
+covered: the staged one-launch token move, the two-pass token move (forced with a zero
+staged budget) and page moves; overlapping index sets, skipped pairs, T=0. A deviceless
+CUDA lowering checks that the real kernels lower and alias every buffer.
+GPU (`pytest -m gpu`): 61 layers, 2**18 + 64 rows, T up to 4096, hostile indices.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.move import MoveTiling, move_pages, move_rows
+
+TWO_PASS = MoveTiling(staged_smem_bytes=0)  # no band fits: token moves take two passes
+
+
+def make_buffers(rng, rows, plain_layers=2, trio_layers=1):
+  """Plain bf16 (rows,1,576) layers, then per_token_head trios (fp8 nope, f32 scale, rope)."""
+  out = []
+  for _ in range(plain_layers):
+    out.append(rng.standard_normal((rows, 1, 576)).astype(jnp.bfloat16))
+  for _ in range(trio_layers):
+    out.append(rng.standard_normal((rows, 1, 512)).astype(jnp.float8_e4m3fn))
+    out.append(rng.standard_normal((rows, 1, 1)).astype(np.float32))
+    out.append(rng.standard_normal((rows, 1, 64)).astype(jnp.bfloat16))
+  return [jnp.asarray(b) for b in out]
+
+
+def model_move(buffers, tgt, src, unit=1):
+  """Snapshot semantics: read all sources first, then write; skip out-of-range pairs."""
+  out = []
+  for b in buffers:
+    old = np.asarray(b)
+    new = old.copy()
+    units = old.shape[0] // unit
+    for t, s in zip(np.asarray(tgt), np.asarray(src)):
+      if 0 <= t < units and 0 <= s < units:
+        new[t * unit:(t + 1) * unit] = old[s * unit:(s + 1) * unit]
+    out.append(new)
+  return out
+
+
+def assert_bits_equal(got, want):
+  assert len(got) == len(want)
+  for i, (g, w) in enumerate(zip(got, want)):
+    g = np.asarray(g)
+    assert g.shape == w.shape and g.dtype == w.dtype, i
+    np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8), err_msg=f"buffer {i}")
+
+
+def hostile_pairs(rng, rows, count):
+  """Distinct targets; swaps, a shift-by-one chain, identity moves, out-of-range pairs."""
+  tgt, src = [], []
+  base = int(rng.integers(2, rows - count - 4))
+  chain = max(1, count // 4)
+  tgt += list(range(base + 1, base + 1 + chain))  # shift by one: row k+1 <- row k
+  src += list(range(base, base + chain))
+  used = set(tgt) | set(src)
+  free = [r for r in rng.permutation(rows).tolist() if r not in used]
+  while len(tgt) < count:
+    kind = len(tgt) % 4
+    if kind == 0 and len(tgt) + 2 <= count:  # swap
+      a, b = free.pop(), free.pop()
+      tgt += [a, b]
+      src += [b, a]
+    elif kind == 1:  # identity
+      a = free.pop()
+      tgt.append(a)
+      src.append(a)
+    elif kind == 2:  # skipped: an index out of range
+      tgt.append(free.pop())
+      src.append(int(rng.choice([-1, rows, rows + 7, -(2**31)])))
+    else:
+      tgt.append(int(rng.choice([-1, rows, -5])))
+      src.append(free.pop())
+  order = rng.permutation(count)
+  return np.asarray(tgt)[order].astype(np.int32), np.asarray(src)[order].astype(np.int32)
+
+
+# ---------------------------------------------------------------------------------------
+# CPU: interpret mode
+
+
+@pytest.fixture(scope="module")
+def small_buffers():
+  return make_buffers(np.random.default_rng(1), rows=256)
+
+
+@pytest.mark.parametrize("tiling", [None, TWO_PASS], ids=["staged", "two_pass"])
+@pytest.mark.parametrize("count", [1, 7, 40])
+def test_move_rows_matches_model(small_buffers, tiling, count):
+  if tiling is TWO_PASS and count == 1:
+    pytest.skip("covered by the other counts")
+  rng = np.random.default_rng(count)
+  tgt, src = hostile_pairs(rng, 256, count)
+  kwargs = {} if tiling is None else {"tiling": tiling}
+  got = jax.jit(lambda b, t, s: move_rows(b, t, s, **kwargs))(small_buffers, tgt, src)
+  assert_bits_equal(got, model_move(small_buffers, tgt, src))
+
+
+def test_move_rows_edge_rows_and_int64_indices(small_buffers):
+  # The last rows (a scale window is clamped there) and int64 indices past int32.
+  tgt = np.array([255, 0, 254, 3, 2**32 + 1], np.int64)
+  src = np.array([0, 255, 255, 2**32 + 2, 1], np.int64)
+  with jax.enable_x64(True):
+    got = jax.jit(move_rows)(small_buffers, tgt, src)
+  assert_bits_equal(got, model_move(small_buffers, tgt, src))
+
+
+def test_move_rows_duplicate_target_one_writer_wins(small_buffers):
+  tgt = np.array([9, 9, 9], np.int32)
+  src = np.array([1, 2, 3], np.int32)
+  got = jax.jit(move_rows)(small_buffers, tgt, src)
+  for g, b in zip(got, small_buffers):
+    g, b = np.asarray(g), np.asarray(b)
+    assert any(np.array_equal(g[9].view(np.uint8), b[s].view(np.uint8)) for s in src)
+    np.testing.assert_array_equal(np.delete(g, 9, 0).view(np.uint8),
+                                  np.delete(b, 9, 0).view(np.uint8))
+
+
+def test_move_rows_empty_is_noop(small_buffers):
+  empty = np.zeros((0,), np.int32)
+  got = move_rows(small_buffers, empty, empty)
+  assert_bits_equal(got, [np.asarray(b) for b in small_buffers])
+
+
+def test_move_pages_matches_model(small_buffers):
+  # 256 rows / 16 = 16 pages. Overlapping sets: a rotation 1->2->3->1, a swap, skips.
+  tgt = np.array([2, 3, 1, 5, 4, 16, 7, -1, 9], np.int32)
+  src = np.array([1, 2, 3, 4, 5, 0, -2, 8, 9], np.int32)
+  got = jax.jit(lambda b, t, s: move_pages(b, t, s, page_size=16))(small_buffers, tgt, src)
+  assert_bits_equal(got, model_move(small_buffers, tgt, src, unit=16))
+
+
+def test_move_pages_one_row_pages(small_buffers):
+  # page_size 1: a page of the 4-byte scale buffer is too small for a bulk copy.
+  tgt = np.array([4, 5, 6], np.int32)
+  src = np.array([5, 6, 4], np.int32)
+  got = jax.jit(lambda b, t, s: move_pages(b, t, s, page_size=1))(small_buffers, tgt, src)
+  assert_bits_equal(got, model_move(small_buffers, tgt, src))
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(tgt_loc=np.zeros((3,), np.float32)), TypeError),
+    (dict(tgt_loc=np.zeros((4,), np.int32)), ValueError),
+    (dict(tgt_loc=np.zeros((3, 1), np.int32)), TypeError),
+])
+def test_move_rows_rejects_bad_indices(small_buffers, bad, error):
+  args = dict(tgt_loc=np.zeros((3,), np.int32), src_loc=np.zeros((3,), np.int32)) | bad
+  with pytest.raises(error, match="tgt_loc"):
+    move_rows(small_buffers, **args)
+
+
+def test_move_rows_rejects_mismatched_rows(small_buffers):
+  with pytest.raises(ValueError, match=r"buffers\[1\]"):
+    move_rows([small_buffers[0], small_buffers[1][:8]], np.zeros(1, np.int32),
+              np.zeros(1, np.int32))
+
+
+# ---------------------------------------------------------------------------------------
+# Deviceless CUDA lowering: the real kernels lower and alias every buffer
+
+
+def lower_for_cuda(fn, buffers, count):
+  types = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers]
+  index = jax.ShapeDtypeStruct((count,), jnp.int32)
+  lowered = jax.jit(fn, donate_argnums=0).trace(types, index, index)
+  return lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("kind, count, launches", [
+    ("staged", 40, 1), ("two_pass", 40, 2), ("pages", 40, 2)])
+def test_cuda_lowering_aliases_every_buffer(kind, count, launches):
+  buffers = make_buffers(np.random.default_rng(0), rows=4096 + 64, plain_layers=3)
+  fn = {
+      "staged": move_rows,
+      "two_pass": lambda b, t, s: move_rows(b, t, s, tiling=TWO_PASS),
+      "pages": lambda b, t, s: move_pages(b, t, s, page_size=64),
+  }[kind]
+  text = lower_for_cuda(fn, buffers, count)
+  assert text.count("stablehlo.custom_call @mosaic_gpu_v2(") == launches
+  # The interpret branch (a host callback) is pruned: only the kernels are custom calls.
+  assert set(re.findall(r"custom_call @(\w+)\(", text)) == {"mosaic_gpu_v2"}
+  aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", text)
+  assert len(aliases) == len(buffers)  # the move kernel aliases every buffer
+  main = next(line for line in text.splitlines() if "func.func public @main" in line)
+  assert main.count("tf.aliasing_output") == len(buffers)
+
+
+def test_staged_path_is_chosen_up_to_large_t():
+  # At the DeepSeek-V3 shape the one-launch path holds T=1024 (128-byte bands).
+  buffers = [jax.ShapeDtypeStruct((2**18 + 64, 1, 576), jnp.bfloat16)] * 61
+  text = lower_for_cuda(move_rows, buffers, 1024)
+  assert text.count("stablehlo.custom_call @mosaic_gpu_v2(") == 1
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: DeepSeek-V3 sizes
+
+
+GPU_ROWS = 2**18 + 64
+
+
+@pytest.fixture(scope="module")
+def gpu_buffers():
+  keys = jax.random.split(jax.random.key(0), 61)
+  return [jax.random.bits(k, (GPU_ROWS, 1, 576), jnp.uint16).view(jnp.bfloat16)
+          for k in keys]
+
+
+def reference_move(buffers, tgt, src, unit=1):
+  """Plain XLA with the same skip rule (distinct targets, so the scatter is exact)."""
+  units = buffers[0].shape[0] // unit
+  keep = (tgt >= 0) & (tgt < units) & (src >= 0) & (src < units)
+  rows_t = (jnp.where(keep, tgt, units)[:, None] * unit + jnp.arange(unit)).reshape(-1)
+  rows_s = (jnp.where(keep, src, 0)[:, None] * unit + jnp.arange(unit)).reshape(-1)
+  return [b.at[rows_t].set(b[rows_s], mode="drop") for b in buffers]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [1, 8, 64, 256, 1024, 1500, 4096])
+def test_gpu_move_rows_61_layers(gpu_buffers, count):
+  tgt, src = hostile_pairs(np.random.default_rng(count), GPU_ROWS, count)
+  want = jax.jit(reference_move)(gpu_buffers, jnp.asarray(tgt), jnp.asarray(src))
+  got = jax.jit(move_rows)(gpu_buffers, tgt, src)  # not donated: inputs stay for the check
+  for g, w in zip(got, want):
+    assert bool(jnp.all(g.view(jnp.uint16) == w.view(jnp.uint16)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [7, 256])
+def test_gpu_move_rows_per_token_head(count):
+  rng = np.random.default_rng(count)
+  buffers = make_buffers(rng, rows=2**16 + 64, plain_layers=0, trio_layers=4)
+  tgt, src = hostile_pairs(rng, 2**16 + 64, count)
+  for tiling in (MoveTiling(), TWO_PASS):
+    got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=tiling))(buffers, tgt, src)
+    assert_bits_equal(got, model_move(buffers, tgt, src))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [1, 16, 256])
+def test_gpu_move_pages_61_layers(gpu_buffers, count):
+  pages = GPU_ROWS // 64
+  tgt, src = hostile_pairs(np.random.default_rng(count), pages, count)
+  want = jax.jit(lambda b, t, s: reference_move(b, t, s, unit=64))(
+      gpu_buffers, jnp.asarray(tgt), jnp.asarray(src))
+  got = jax.jit(lambda b, t, s: move_pages(b, t, s, page_size=64))(gpu_buffers, tgt, src)
+  for g, w in zip(got, want):
+    assert bool(jnp.all(g.view(jnp.uint16) == w.view(jnp.uint16)))
+
+
+@pytest.mark.gpu
+def test_gpu_donated_move_has_no_buffer_copy(gpu_buffers):
+  types = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in gpu_buffers[:4]]
+  index = jax.ShapeDtypeStruct((64,), jnp.int32)
+  for fn in (move_rows, lambda b, t, s: move_pages(b, t, s, page_size=64)):
+    hlo = jax.jit(fn, donate_argnums=0).lower(types, index, index).compile().as_text()
+    copies = [line for line in hlo.splitlines() if " copy(" in line and "576" in line]
+    assert not copies, copies
