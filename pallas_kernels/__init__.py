@@ -5,3 +5,4 @@ from pallas_kernels.rows import get_rows_per_token_head as get_rows_per_token_he
 from pallas_kernels.rows import RowConfig as RowConfig
 from pallas_kernels.rows import set_rows as set_rows
 from pallas_kernels.rows import set_rows_per_token_head as set_rows_per_token_head
+from pallas_kernels.move import move_pages as move_pages, move_rows as move_rows, MoveTiling as MoveTiling

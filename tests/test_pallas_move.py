@@ -174,13 +174,14 @@ def lower_for_cuda(fn, buffers, count):
 
 
 @pytest.mark.parametrize("kind, count, launches", [
-    ("staged", 40, 1), ("two_pass", 40, 2), ("pages", 40, 2)])
+    ("staged", 40, 1), ("two_pass", 40, 2), ("pages", 40, 2), ("pdl", 40, 1)])
 def test_cuda_lowering_aliases_every_buffer(kind, count, launches):
   buffers = make_buffers(np.random.default_rng(0), rows=4096 + 64, plain_layers=3)
   fn = {
       "staged": move_rows,
       "two_pass": lambda b, t, s: move_rows(b, t, s, tiling=TWO_PASS),
       "pages": lambda b, t, s: move_pages(b, t, s, page_size=64),
+      "pdl": lambda b, t, s: move_rows(b, t, s, pdl=True),
   }[kind]
   text = lower_for_cuda(fn, buffers, count)
   assert text.count("stablehlo.custom_call @mosaic_gpu_v2(") == launches
