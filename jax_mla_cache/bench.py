@@ -130,15 +130,18 @@ def bench_rows(cfg: mc.MLACacheConfig, tokens_list, impls, iters, report) -> Non
     in_bytes = tokens * cfg.kv_cache_dim * 2
     for impl in impls:
       for op, c in (("set_mla", cfg), ("set_mla_pth", quant_cfg)):
-        cache = mc.init_cache(c)
-        f = jax.jit(lambda s, impl=impl: mc.set_mla_kv_buffer(s, 0, loc, nope, rope,
-                                                              implementation=impl),
+        # Inputs are arguments, never closure constants: XLA would constant-fold them.
+        f = jax.jit(lambda s, l, n, r, impl=impl: mc.set_mla_kv_buffer(s, 0, l, n, r,
+                                                                     implementation=impl),
                     donate_argnums=0)
-        us, cache, method = time_per_call(f, cache, iters)
+        us, (cache, *_), method = time_per_call(lambda st: (f(*st), *st[1:]),
+                                                (mc.init_cache(c), loc, nope, rope), iters)
         report(Record(op, impl, tokens, 1, us, (in_bytes + tokens * c.row_bytes) / us / 1e3), method)
         if op == "set_mla":
-          g = jax.jit(lambda s, impl=impl: (s, mc.get_mla_kv_buffer(s, 0, loc, implementation=impl)))
-          us, _, method = time_per_call(lambda st: g(st[0]), (cache, None), iters)
+          g = jax.jit(lambda s, l, impl=impl: mc.get_mla_kv_buffer(s, 0, l, implementation=impl))
+          # state = (cache, loc, last output); only the gathered rows are produced per call
+          us, _, method = time_per_call(lambda st: (st[0], st[1], g(st[0], st[1])),
+                                        (cache, loc, None), iters)
           report(Record("get_mla", impl, tokens, 1, us, 2 * tokens * c.row_bytes / us / 1e3), method)
         del cache
 
@@ -153,9 +156,10 @@ def bench_moves(cfg: mc.MLACacheConfig, tokens_list, pages_list, impls, iters, r
       perm = rng.permutation(c.rows)[: 2 * tokens].astype(np.int32)
       tgt, src = jnp.asarray(perm[:tokens]), jnp.asarray(perm[tokens:])
       for impl in impls:
-        f = jax.jit(lambda s, impl=impl: mc.move_kv_cache(s, tgt, src, implementation=impl),
+        f = jax.jit(lambda s, t, r, impl=impl: mc.move_kv_cache(s, t, r, implementation=impl),
                     donate_argnums=0)
-        us, cache, method = time_per_call(f, cache, iters)
+        us, (cache, *_), method = time_per_call(lambda st: (f(*st), *st[1:]),
+                                                (cache, tgt, src), iters)
         report(Record(op, impl, tokens, c.layer_num, us,
                       2 * tokens * c.row_bytes * c.layer_num / us / 1e3), method)
     if op == "move":
@@ -164,9 +168,10 @@ def bench_moves(cfg: mc.MLACacheConfig, tokens_list, pages_list, impls, iters, r
         perm = rng.permutation(npages)[: 2 * pages].astype(np.int32)
         tgt, src = jnp.asarray(perm[:pages]), jnp.asarray(perm[pages:])
         for impl in impls:
-          f = jax.jit(lambda s, impl=impl: mc.move_kv_pages(s, tgt, src, implementation=impl),
+          f = jax.jit(lambda s, t, r, impl=impl: mc.move_kv_pages(s, t, r, implementation=impl),
                       donate_argnums=0)
-          us, cache, method = time_per_call(f, cache, iters)
+          us, (cache, *_), method = time_per_call(lambda st: (f(*st), *st[1:]),
+                                                  (cache, tgt, src), iters)
           nbytes = 2 * pages * c.page_size * c.row_bytes * c.layer_num
           report(Record("move_pages", impl, pages, c.layer_num, us, nbytes / us / 1e3), method)
     del cache
