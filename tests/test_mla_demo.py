@@ -24,6 +24,8 @@ subnormal range) and every rope value within half a bf16 step (2^-8 relative) of
 the exact latent; the logits then stay within 5% of max|logit| (measured ~1.7%).
 """
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -142,6 +144,26 @@ def test_compiled_step_copies_no_cache_buffer(run, step):
   hlo = run["hlo"][step]
   assert copies_of_cache(hlo, run["cache_cfg"]) == []
   assert "input_output_alias" in hlo
+
+
+def converts_of_cache(hlo: str, cfg) -> list[str]:
+  """Lines of compiled HLO that convert a whole cache buffer to another dtype (a pass over
+  the whole buffer that `copies_of_cache` does not see)."""
+  dims = {",".join(map(str, shape)) for shape, _ in cfg.buffer_shapes()}
+  return [line for line in hlo.splitlines()
+          if re.search(r"\bconvert\(", line)
+          and any(re.search(rf"= \w+\[{d}\]\S* convert\(", line) for d in dims)]
+
+
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_compiled_step_converts_no_cache_buffer(run, step):
+  cfg = run["cache_cfg"]
+  converts = converts_of_cache(run["hlo"][step], cfg)
+  if converts and cfg.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2) and jax.default_backend() == "cpu":
+    # Known gap (reported): XLA:CPU has no fp8 scatter, so it converts the whole fp8
+    # buffer to f16, scatters, and converts back: O(buffer) work per write.
+    pytest.xfail(f"XLA:CPU float-normalizes fp8 scatters: {converts[0].strip()[:120]}")
+  assert converts == []
 
 
 def test_reusing_a_donated_cache_raises(run):
