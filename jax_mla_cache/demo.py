@@ -200,12 +200,16 @@ def _bytes(n: int) -> str:
   return f"{n:,} B"
 
 
+def _rate(x: float) -> str:
+  return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def _print_table(r: dict[str, Any], batch: int, context: int, cfg: mc.MLACacheConfig) -> None:
   rows = [
       ("device", r["device"]),
       ("cache ops implementation", r["implementation"]),
-      ("prefill", f"{r['prefill_tokens_per_s']:,.0f} tokens/s"),
-      ("decode", f"{r['decode_tokens_per_s']:,.0f} tokens/s ({r['decode_ms_per_step']:.2f} ms/step, "
+      ("prefill", f"{_rate(r['prefill_tokens_per_s'])} tokens/s"),
+      ("decode", f"{_rate(r['decode_tokens_per_s'])} tokens/s ({r['decode_ms_per_step']:.2f} ms/step, "
                  f"batch {r['batch']}, {r['layers']} layers)"),
       (f"set_mla_kv_buffer, {batch} rows", f"{r['set_mla_kv_buffer_us']:,.1f} us/call"),
       (f"get_mla_kv_buffer, {batch * context} rows", f"{r['get_mla_kv_buffer_us']:,.1f} us/call"),
