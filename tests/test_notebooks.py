@@ -24,6 +24,19 @@ def test_kernel_is_this_interpreter():
   assert argv0 in ("python", "python3") or os.path.realpath(argv0) == os.path.realpath(sys.executable)
 
 
+def test_committed_notebooks_match_their_generator():
+  """The .ipynb files hold the cells of notebooks/make_notebooks.py (edit them there)."""
+  sys.path.insert(0, str(NOTEBOOKS))
+  try:
+    import make_notebooks
+  finally:
+    sys.path.remove(str(NOTEBOOKS))
+  for name, cells in make_notebooks.NOTEBOOKS.items():
+    committed = nbformat.read(NOTEBOOKS / name, as_version=4)
+    assert [c.source for c in committed.cells] == [c.source for c in cells], (
+        f"{name} is stale: run python notebooks/make_notebooks.py")
+
+
 @pytest.mark.parametrize("name", ["01_quickstart.ipynb", "02_benchmarks.ipynb"])
 def test_notebook_executes(name):
   nb = nbformat.read(NOTEBOOKS / name, as_version=4)
