@@ -283,31 +283,32 @@ def _combine_owned(x: jax.Array, axis: str) -> jax.Array:
   return lax.bitcast_convert_type(lax.psum(bits, axis), x.dtype)
 
 
-def _pipeline_per_stage(public: Callable) -> Callable:
-  """The public op: checks, then a pipeline cache runs one call per stage."""
+def _public(jitted: Callable, *, per_layer: bool) -> Callable:
+  """The public op: checks, then runs `jitted`; a pipeline cache runs it on the stage
+  of `layer_id` (`per_layer`, the first argument after the cache) or on every stage."""
 
-  @functools.wraps(public)
+  @functools.wraps(jitted)
   def op(cache, *args, **kwargs):
-    _check_sharded(cache, public.__name__)
+    _check_sharded(cache, jitted.__name__)
     args = tuple(np.asarray(a) if isinstance(a, (list, tuple, range)) else a for a in args)
     if cache.layout.kind != "pipeline":
-      return public(cache, *args, **kwargs)
+      return jitted(cache, *args, **kwargs)
     layer_num = cache.cache.config.layer_num
-    if public.__name__ in ("set_mla_kv_buffer", "set_kv_buffer", "get_mla_kv_buffer"):
-      layer_id = dispatch.check_layer_id(cache.cache, args[0], public.__name__)
+    if per_layer:
+      layer_id = dispatch.check_layer_id(cache.cache, args[0], jitted.__name__)
       stage = cache.layout.stage_of(layer_id, layer_num)
       view = stage_view(cache, stage)
       local_id = layer_id - cache.layout.stage_layers(stage, layer_num).start
       rest = tuple(_to_stage(view, a) for a in args[1:])
-      out = public(view, local_id, *rest, **kwargs)
+      out = jitted(view, local_id, *rest, **kwargs)
       return with_stage(cache, stage, out) if isinstance(out, ShardedMLAKVCache) else out
-    for stage in _stages(cache):  # moves: every layer of every stage
+    for stage in _stages(cache):
       view = stage_view(cache, stage)
-      view = public(view, *(_to_stage(view, a) for a in args), **kwargs)
+      view = jitted(view, *(_to_stage(view, a) for a in args), **kwargs)
       cache = with_stage(cache, stage, view)
     return cache
 
-  op.jitted = public
+  op.jitted = jitted
   return op
 
 
@@ -581,8 +582,8 @@ def load_cpu_copy(
   return _load_chunks(cache, host_copy.chunks, idx)
 
 
-set_mla_kv_buffer = _pipeline_per_stage(set_mla_kv_buffer)
-set_kv_buffer = _pipeline_per_stage(set_kv_buffer)
-get_mla_kv_buffer = _pipeline_per_stage(get_mla_kv_buffer)
-move_kv_cache = _pipeline_per_stage(move_kv_cache)
-move_kv_pages = _pipeline_per_stage(move_kv_pages)
+set_mla_kv_buffer = _public(set_mla_kv_buffer, per_layer=True)
+set_kv_buffer = _public(set_kv_buffer, per_layer=True)
+get_mla_kv_buffer = _public(get_mla_kv_buffer, per_layer=True)
+move_kv_cache = _public(move_kv_cache, per_layer=False)
+move_kv_pages = _public(move_kv_pages, per_layer=False)

@@ -25,7 +25,7 @@ def layout(kind: str, devices=None) -> sh.ShardedLayout:
   """Each kind on the devices: 2-D meshes where the layout axis has a partner axis."""
   devices = np.array(devices or jax.devices())
   n = devices.size
-  if kind in ("data_parallel", "pipeline") and n % 2 == 0:
+  if kind in ("data_parallel", "pipeline") and n >= 4 and n % 2 == 0:
     axis = "data" if kind == "data_parallel" else "stage"
     return sh.ShardedLayout(kind, Mesh(devices.reshape(n // 2, 2), (axis, "model")), axis)
   axis = {"replicated": "model", "context_parallel": "context"}.get(kind, "x")
@@ -113,15 +113,15 @@ def token_slots(rng, cache, tokens):
   return np.concatenate(parts)
 
 
-def run_ops(cache, oracle, rng, implementation):
+def run_ops(cache, oracle, rng, implementation, tokens=TOKENS):
   """set (last layer) / get / set_kv (layer 0) / move / move_pages, each checked
   against the oracle. (One compile per op: a call per layer would only add time.)"""
   cfg = cache.config
   before = shardings(cache)
   layer_id = cfg.layer_num - 1
-  loc = token_slots(rng, cache, TOKENS)
-  nope = rows_input(rng, TOKENS, cfg.kv_lora_rank)
-  rope = rows_input(rng, TOKENS, cfg.qk_rope_head_dim)
+  loc = token_slots(rng, cache, tokens)
+  nope = rows_input(rng, tokens, cfg.kv_lora_rank)
+  rope = rows_input(rng, tokens, cfg.qk_rope_head_dim)
   cache = sh.set_mla_kv_buffer(cache, layer_id, loc, nope, rope, implementation=implementation)
   oracle.set_mla(layer_id, loc, nope, rope)
   oracle.assert_equal(cache)
@@ -129,14 +129,14 @@ def run_ops(cache, oracle, rng, implementation):
   for g, want in zip(got, oracle.get_mla(layer_id, loc)):
     np.testing.assert_array_equal(np.asarray(g).view(np.uint8), want.view(np.uint8))
 
-  loc = token_slots(rng, cache, TOKENS)
-  rows = rows_input(rng, TOKENS, cfg.kv_cache_dim)
+  loc = token_slots(rng, cache, tokens)
+  rows = rows_input(rng, tokens, cfg.kv_cache_dim)
   cache = sh.set_kv_buffer(cache, 0, loc, rows, implementation=implementation)
   oracle.set_mla(0, loc, rows[..., :cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank:])
   oracle.assert_equal(cache)
 
   # Overlapping source and target sets (a target is another pair's source); one bad pair.
-  src = token_slots(rng, cache, TOKENS)
+  src = token_slots(rng, cache, tokens)
   tgt = np.roll(src, 1)
   tgt[1] = -1
   cache = sh.move_kv_cache(cache, tgt, src, implementation=implementation)
@@ -305,13 +305,40 @@ SMALL_PALLAS = mc.MLACacheConfig(size=56, page_size=8, kv_lora_rank=512, qk_rope
                                  layer_num=1)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# Interpret mode costs seconds per op, so on CPU the kernels run in the two layouts that
+# change the shard geometry and indices; pipeline and replicated shards run the unsharded
+# op unchanged (both run with the kernels in the GPU test below).
+@pytest.mark.parametrize("kind", ["data_parallel", "context_parallel"])
 def test_pallas_per_shard_matches_unsharded_pool(kind):
-  """The kernels (interpret mode on CPU) on every shard, a small case."""
+  """The kernels (interpret mode on CPU) on every shard: a small case on 2 devices."""
   if reason := pallas_missing():
     pytest.skip(reason)
-  cache = sh.init_sharded_cache(SMALL_PALLAS, layout(kind))
-  run_ops(cache, Oracle(cache), np.random.default_rng(3), "pallas")
+  cache = sh.init_sharded_cache(SMALL_PALLAS, layout(kind, jax.devices()[:2]))
+  run_ops(cache, Oracle(cache), np.random.default_rng(3), "pallas", tokens=4)
+
+
+def one_device_mesh_case(kind, cfg, device, implementation):
+  """A layout on a 1-device mesh: the numpy model, then a move checked against the
+  unsharded ops from the same state."""
+  cache = sh.init_sharded_cache(cfg, layout(kind, [device]))
+  oracle = Oracle(cache)
+  cache = run_ops(cache, oracle, np.random.default_rng(4), implementation)
+  plain = mc.init_cache(cfg, device=device)
+  for layer_id, layer in enumerate(oracle.pools[0].buffers):
+    plain = plain.replace_layer(layer_id, tuple(jax.device_put(b, device) for b in layer))
+  loc = np.array([0, 5, 17, 63, 1, 2, 3, 4], np.int32)
+  plain = mc.move_kv_cache(plain, loc[::-1], loc, implementation=implementation)
+  cache = sh.move_kv_cache(cache, loc[::-1], loc, implementation=implementation)
+  for layer_id in range(cfg.layer_num):
+    want = mc.get_mla_kv_buffer(plain, layer_id, loc, implementation=implementation)
+    got = sh.get_mla_kv_buffer(cache, layer_id, loc, implementation=implementation)
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_device_mesh_matches_unsharded(kind):
+  one_device_mesh_case(kind, SMALL_PALLAS, jax.devices()[0], "xla")
 
 
 @pytest.mark.gpu
@@ -319,19 +346,5 @@ def test_pallas_per_shard_matches_unsharded_pool(kind):
     dtype=jnp.float8_e4m3fn, quant_method="per_token_head")], ids=["plain", "per_token_head"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_gpu_one_device_mesh_matches_unsharded(kind, cfg):
-  """Every layout on a 1-device mesh of the GPU, Pallas kernels, against the numpy
-  model and the unsharded ops."""
-  cache = sh.init_sharded_cache(cfg, layout(kind, jax.devices("gpu")[:1]))
-  oracle = Oracle(cache)
-  cache = run_ops(cache, oracle, np.random.default_rng(4), "pallas")
-  plain = mc.init_cache(cfg)
-  for layer_id, layer in enumerate(oracle.pools[0].buffers):
-    plain = plain.replace_layer(layer_id, tuple(jnp.asarray(b) for b in layer))
-  loc = np.array([0, 5, 17, 63], np.int32)
-  plain = mc.move_kv_cache(plain, loc[::-1], loc, implementation="pallas")
-  cache = sh.move_kv_cache(cache, loc[::-1], loc, implementation="pallas")
-  for layer_id in range(cfg.layer_num):
-    want = mc.get_mla_kv_buffer(plain, layer_id, loc, implementation="pallas")
-    got = sh.get_mla_kv_buffer(cache, layer_id, loc, implementation="pallas")
-    for g, w in zip(got, want):
-      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  """Every layout on a 1-device mesh of the GPU with the Pallas kernels."""
+  one_device_mesh_case(kind, cfg, jax.devices("gpu")[0], "pallas")
