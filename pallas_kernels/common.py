@@ -130,15 +130,22 @@ def invalid_row(r, rows: int):
   return (r < 0) | (r >= rows)
 
 
-def row_layout_vec(ncols: int) -> int | None:
-  """Vector width of `row_layout(ncols)`, or None when no such layout exists."""
-  for v in (8, 4, 2, 1):
+def _max_vec(dtypes) -> int:
+  """Elements per thread-vector so that no access of any of `dtypes` exceeds 16 bytes."""
+  return max(1, min(8, 16 // max((jnp.dtype(d).itemsize for d in dtypes), default=1)))
+
+
+def row_layout_vec(ncols: int, *dtypes) -> int | None:
+  """Vector width of `row_layout(ncols, *dtypes)`, or None when no such layout exists."""
+  v = _max_vec(dtypes)
+  while v >= 1:
     if ncols % (32 * v) == 0:
       return v
+    v //= 2
   return None
 
 
-def row_layout(ncols: int):
+def row_layout(ncols: int, *dtypes):
   """A register layout for a (rows, ncols) block where each warp owns whole rows.
 
   Tiles of 4 rows x (32*v) columns: warp w holds row w of each tile, its 32 lanes hold v
@@ -146,9 +153,11 @@ def row_layout(ncols: int):
   (shuffles, no shared memory), and every row layout made here reduces to the same (rows,)
   layout, so a per-row scalar broadcasts back onto any of them (nope and rope blocks).
   Shared-memory accesses are contiguous per warp (no bank conflicts, no swizzle needed).
-  The number of rows must be a multiple of 4; ncols a multiple of 32.
+  The number of rows must be a multiple of 4; ncols a multiple of 32. `dtypes`: the dtypes
+  the array is loaded from / stored to (each thread access stays <= 16 bytes, the widest
+  shared-memory access Mosaic's optimized transfers use).
   """
-  v = row_layout_vec(ncols)
+  v = row_layout_vec(ncols, *dtypes)
   if v is None:
     raise NotImplementedError(f"row width {ncols} is not a multiple of 32")
   return plgpu.Layout.TILED(
@@ -156,7 +165,7 @@ def row_layout(ncols: int):
   )
 
 
-def strided_layout(shape: tuple[int, ...], dtype):
+def strided_layout(shape: tuple[int, ...], *dtypes):
   """A layout that spreads a block over the warpgroup's threads in row-major order.
 
   Thread t holds vectors (i * 128 + t) * vec ... + vec - 1 of the flattened block
@@ -165,7 +174,7 @@ def strided_layout(shape: tuple[int, ...], dtype):
   (a tiled layout cannot). Used for element-wise casts (no reductions).
   """
   size = math.prod(shape)
-  vec = max(1, 16 // jnp.dtype(dtype).itemsize)
+  vec = _max_vec(dtypes)
   while vec > 1 and (size % (128 * vec) or shape[-1] % vec):
     vec //= 2
   if size % (128 * vec) or shape[-1] % vec:

@@ -263,8 +263,8 @@ def _set_rows_regs(interpret, *, T, rows, R, Rr, dtype, in_dtypes, B, pdl):
   Bc = common.reg_block_rows(B)
   W = R + Rr
   # Element-wise casts: strided layouts (they can store into the strided row parts).
-  ln = common.strided_layout((Bc, R), in_dtypes[0])
-  lr = common.strided_layout((Bc, Rr), in_dtypes[1])
+  ln = common.strided_layout((Bc, R), in_dtypes[0], dtype)
+  lr = common.strided_layout((Bc, Rr), in_dtypes[1], dtype)
 
   def body(loc_ref, n_ref, r_ref, kv_ref, nsm, rsm, osm, bar):
     _pdl_prologue(pdl, interpret)
@@ -350,7 +350,8 @@ def set_rows_per_token_head(
 
 def _set_pth(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, B, pdl):
   Bc = common.reg_block_rows(B)
-  ln, lr = common.row_layout(R), common.row_layout(Rr)
+  ln = common.row_layout(R, in_dtypes[0], FP8_E4M3)
+  lr = common.row_layout(Rr, in_dtypes[1], rope_dtype)
 
   def body(loc_ref, n_ref, r_ref, qb_ref, sb_ref, rb_ref, nsm, rsm, qsm, rosm, ssm, bar):
     _pdl_prologue(pdl, interpret)
@@ -482,8 +483,8 @@ def _get_rows_copy(interpret, *, T, rows, R, Rr, dtype, B, pdl):
 def _get_rows_regs(interpret, *, T, rows, R, Rr, dtype, dst, B, pdl):
   Bc = common.reg_block_rows(B)
   W = R + Rr
-  ln = common.strided_layout((Bc, R), dtype)
-  lr = common.strided_layout((Bc, Rr), dtype)
+  ln = common.strided_layout((Bc, R), dtype, dst)
+  lr = common.strided_layout((Bc, Rr), dtype, dst)
 
   def body(kv_ref, loc_ref, z_ref, on_ref, or_ref, csm, nsm, rsm, bar):
     _pdl_prologue(pdl, interpret)
@@ -556,7 +557,8 @@ def get_rows_per_token_head(
 
 def _get_pth(interpret, *, T, rows, R, Rr, rope_dtype, dst, B, pdl):
   Bc = common.reg_block_rows(B)
-  ln, lr = common.row_layout(R), common.row_layout(Rr)
+  ln = common.row_layout(R, FP8_E4M3, dst)
+  lr = common.row_layout(Rr, rope_dtype, dst)
 
   def body(qb_ref, sb_ref, rb_ref, loc_ref, zq_ref, zr_ref, on_ref, or_ref,
            qsm, rsm, ssm, nsm, orsm, bar):

@@ -36,7 +36,8 @@ def np_cast(x, dtype):
   x = np.asarray(x, F32)
   if dtype in FP8_MAX:
     x = np.clip(x, -FP8_MAX[dtype], FP8_MAX[dtype])
-  return x.astype(dtype)
+  with np.errstate(over="ignore", invalid="ignore"):
+    return x.astype(dtype)
 
 
 def np_valid(loc, rows):
@@ -53,6 +54,7 @@ def np_set_rows(kv, loc, nope, rope):
   return out
 
 
+@np.errstate(over="ignore", invalid="ignore")
 def np_quantize(nope, rope, rope_dtype):
   x = np.asarray(nope, F32)[:, 0]
   amax = np.max(np.abs(x), axis=-1)
@@ -118,6 +120,7 @@ def hostile_loc(rng, T, rows, *, unique=True):
   return loc
 
 
+@np.errstate(over="ignore")
 def values(rng, shape, dtype, *, scale=1.0, specials=True):
   x = (rng.standard_normal(shape) * scale).astype(F32)
   if specials and x.size > 8:
@@ -132,18 +135,18 @@ def cache(rng, rows, width, dtype):
 
 
 ROWS = 192
-DIMS = [(512, 64), (256, 64)]
-TS = [1, 5, 33]
+# (R, Rr, T): DeepSeek widths with a single token and a ragged multi-block T, and the
+# smaller 256+64 rows.
+SHAPES = [(512, 64, 1), (512, 64, 33), (256, 64, 5)]
 
 
 # ----------------------------------------------------------------------------------------
 # interpret mode (CPU)
 
 
-@pytest.mark.parametrize("T", TS)
-@pytest.mark.parametrize("R,Rr", DIMS)
+@pytest.mark.parametrize("R,Rr,T", SHAPES)
 @pytest.mark.parametrize("storage", STORAGE)
-def test_set_rows_same_dtype(rng, T, R, Rr, storage):
+def test_set_rows_same_dtype(rng, R, Rr, T, storage):
   kv = cache(rng, ROWS, R + Rr, storage)
   loc = hostile_loc(rng, T, ROWS)
   nope = values(rng, (T, 1, R), storage, scale=100.0, specials=storage != jnp.float8_e4m3fn)
@@ -153,11 +156,12 @@ def test_set_rows_same_dtype(rng, T, R, Rr, storage):
   assert_same(out, np_set_rows(kv, loc, nope, rope))
 
 
-@pytest.mark.parametrize("in_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("storage", STORAGE)
+@pytest.mark.parametrize("storage,in_dtype", [
+    (jnp.bfloat16, jnp.float32), (jnp.float16, jnp.bfloat16), (jnp.float32, jnp.float16),
+    (jnp.float8_e4m3fn, jnp.float32), (jnp.float8_e4m3fn, jnp.bfloat16),
+    (jnp.float8_e5m2, jnp.float32), (jnp.float8_e5m2, jnp.float16),
+])
 def test_set_rows_cast(rng, storage, in_dtype):
-  if jnp.dtype(in_dtype) == jnp.dtype(storage):
-    pytest.skip("same dtype: covered above")
   R, Rr, T = 256, 64, 5
   kv = cache(rng, ROWS, R + Rr, storage)
   loc = hostile_loc(rng, T, ROWS)
@@ -201,10 +205,9 @@ def test_set_rows_duplicates(rng):
   assert_same(out[untouched], kv[untouched])
 
 
-@pytest.mark.parametrize("T", TS)
-@pytest.mark.parametrize("R,Rr", DIMS)
+@pytest.mark.parametrize("R,Rr,T", SHAPES)
 @pytest.mark.parametrize("storage", STORAGE)
-def test_get_rows_same_dtype(rng, T, R, Rr, storage):
+def test_get_rows_same_dtype(rng, R, Rr, T, storage):
   kv = cache(rng, ROWS, R + Rr, storage)
   loc = hostile_loc(rng, T, ROWS, unique=False)
   f = jax.jit(functools.partial(pk.get_rows, kv_lora_rank=R, dst_dtype=storage))
@@ -214,11 +217,12 @@ def test_get_rows_same_dtype(rng, T, R, Rr, storage):
   assert_same(rope, want[..., R:])
 
 
-@pytest.mark.parametrize("dst", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn])
-@pytest.mark.parametrize("storage", STORAGE)
+@pytest.mark.parametrize("storage,dst", [
+    (jnp.bfloat16, jnp.float32), (jnp.float16, jnp.bfloat16), (jnp.float32, jnp.bfloat16),
+    (jnp.float32, jnp.float8_e4m3fn), (jnp.float8_e4m3fn, jnp.bfloat16),
+    (jnp.float8_e5m2, jnp.float32), (jnp.bfloat16, jnp.float8_e5m2),
+])
 def test_get_rows_cast(rng, storage, dst):
-  if jnp.dtype(dst) == jnp.dtype(storage):
-    pytest.skip("same dtype: covered above")
   R, Rr, T = 256, 64, 5
   kv = np.asarray(values(rng, (ROWS, 1, R + Rr), storage, scale=1000.0))
   loc = hostile_loc(rng, T, ROWS)
@@ -243,6 +247,7 @@ def test_get_rows_whole_row_variant(rng):
   assert_same(rope, want[..., R:])
 
 
+@np.errstate(over="ignore")
 def pth_inputs(rng, T, R, Rr, in_dtype):
   nope = values(rng, (T, 1, R), F32, scale=3.0, specials=False)
   rope = values(rng, (T, 1, Rr), F32, scale=3.0, specials=False)
@@ -257,11 +262,13 @@ def pth_inputs(rng, T, R, Rr, in_dtype):
   return nope.astype(in_dtype), rope.astype(in_dtype)
 
 
-@pytest.mark.parametrize("T", TS)
-@pytest.mark.parametrize("R,Rr", DIMS)
-@pytest.mark.parametrize("model", [jnp.bfloat16, jnp.float16, jnp.float32])
-def test_per_token_head_set_get(rng, T, R, Rr, model):
-  in_dtype = jnp.float32 if T == 5 else model
+@pytest.mark.parametrize("R,Rr,T,model,in_dtype", [
+    (512, 64, 1, jnp.bfloat16, jnp.bfloat16),
+    (512, 64, 33, jnp.bfloat16, jnp.float32),
+    (256, 64, 5, jnp.float16, jnp.float16),
+    (512, 64, 5, jnp.float32, jnp.bfloat16),
+])
+def test_per_token_head_set_get(rng, R, Rr, T, model, in_dtype):
   nope, rope = pth_inputs(rng, T, R, Rr, in_dtype)
   qb = values(rng, (ROWS, 1, R), E4M3, specials=False)
   sb = np.abs(values(rng, (ROWS, 1, 1), F32, specials=False))
@@ -277,7 +284,7 @@ def test_per_token_head_set_get(rng, T, R, Rr, model):
 
   # Read back (duplicates and bad slots included), dequantized.
   rloc = hostile_loc(rng, T, ROWS, unique=False)
-  for dst in (model, jnp.float32):
+  for dst in dict.fromkeys((jnp.dtype(model), jnp.dtype(jnp.float32))):
     f = jax.jit(functools.partial(pk.get_rows_per_token_head, dst_dtype=dst))
     gn, gr = f(q, s, r, jnp.asarray(rloc))
     gq, gs, grs = (np_gather(np.asarray(a), rloc) for a in (q, s, r))
@@ -355,21 +362,21 @@ def assert_aliased(text, n_buffers):
 
 
 SET_CASES = [
-    # (storage, input dtype, config)
-    (jnp.bfloat16, jnp.bfloat16, None),
-    (jnp.bfloat16, jnp.bfloat16, pk.RowConfig(set_repack=True)),
-    (jnp.bfloat16, jnp.float32, None),
-    (jnp.float16, jnp.bfloat16, None),
-    (jnp.float32, jnp.bfloat16, None),
-    (jnp.float8_e4m3fn, jnp.bfloat16, None),
-    (jnp.float8_e4m3fn, jnp.float8_e4m3fn, None),
-    (jnp.float8_e5m2, jnp.float8_e5m2, None),
-    (jnp.float8_e5m2, jnp.float32, None),
+    # (storage, input dtype, config, T)
+    (jnp.bfloat16, jnp.bfloat16, None, 1),
+    (jnp.bfloat16, jnp.bfloat16, None, 4096),
+    (jnp.bfloat16, jnp.bfloat16, pk.RowConfig(set_repack=True), 33),
+    (jnp.bfloat16, jnp.float32, None, 4096),
+    (jnp.float16, jnp.bfloat16, None, 33),
+    (jnp.float32, jnp.bfloat16, None, 1),
+    (jnp.float8_e4m3fn, jnp.bfloat16, None, 4096),
+    (jnp.float8_e4m3fn, jnp.float8_e4m3fn, None, 33),
+    (jnp.float8_e5m2, jnp.float8_e5m2, None, 1),
+    (jnp.float8_e5m2, jnp.float32, None, 33),
 ]
 
 
-@pytest.mark.parametrize("T", [1, 33, 4096])
-@pytest.mark.parametrize("storage,in_dtype,cfg", SET_CASES)
+@pytest.mark.parametrize("storage,in_dtype,cfg,T", SET_CASES)
 def test_lower_cuda_set_rows(T, storage, in_dtype, cfg):
   R, Rr = 512, 64
   f = functools.partial(pk.set_rows, config=cfg, pdl=T == 33)
@@ -378,15 +385,15 @@ def test_lower_cuda_set_rows(T, storage, in_dtype, cfg):
   assert_aliased(text, 1)
 
 
-@pytest.mark.parametrize("T", [1, 4096])
-@pytest.mark.parametrize("storage,dst,cfg", [
-    (jnp.bfloat16, jnp.bfloat16, None),
-    (jnp.bfloat16, jnp.bfloat16, pk.RowConfig(get_split=False)),
-    (jnp.bfloat16, jnp.float32, None),
-    (jnp.float8_e4m3fn, jnp.bfloat16, None),
-    (jnp.float8_e4m3fn, jnp.float8_e4m3fn, None),
-    (jnp.float8_e5m2, jnp.float16, None),
-    (jnp.float32, jnp.float8_e4m3fn, None),
+@pytest.mark.parametrize("storage,dst,cfg,T", [
+    (jnp.bfloat16, jnp.bfloat16, None, 1),
+    (jnp.bfloat16, jnp.bfloat16, None, 4096),
+    (jnp.bfloat16, jnp.bfloat16, pk.RowConfig(get_split=False), 33),
+    (jnp.bfloat16, jnp.float32, None, 4096),
+    (jnp.float8_e4m3fn, jnp.bfloat16, None, 33),
+    (jnp.float8_e4m3fn, jnp.float8_e4m3fn, None, 1),
+    (jnp.float8_e5m2, jnp.float16, None, 1),
+    (jnp.float32, jnp.float8_e4m3fn, None, 33),
 ])
 def test_lower_cuda_get_rows(T, storage, dst, cfg):
   R, Rr = 512, 64
@@ -395,11 +402,14 @@ def test_lower_cuda_get_rows(T, storage, dst, cfg):
   assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("T", [1, 4096])
-@pytest.mark.parametrize("R,Rr", [(512, 64), (256, 64)])
-@pytest.mark.parametrize("model,in_dtype", [(jnp.bfloat16, jnp.bfloat16),
-                                            (jnp.float16, jnp.float32),
-                                            (jnp.float32, jnp.bfloat16)])
+@pytest.mark.parametrize("R,Rr,model,in_dtype,T", [
+    (512, 64, jnp.bfloat16, jnp.bfloat16, 1),
+    (512, 64, jnp.bfloat16, jnp.bfloat16, 4096),
+    (512, 64, jnp.float16, jnp.float32, 33),
+    (512, 64, jnp.float32, jnp.bfloat16, 4096),
+    (256, 64, jnp.float32, jnp.float32, 1),
+    (256, 64, jnp.bfloat16, jnp.float16, 33),
+])
 def test_lower_cuda_per_token_head(T, R, Rr, model, in_dtype):
   bufs = (S((BIG_ROWS, 1, R), E4M3), S((BIG_ROWS, 1, 1), jnp.float32),
           S((BIG_ROWS, 1, Rr), model))
