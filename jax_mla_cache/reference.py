@@ -73,9 +73,10 @@ def quantize_per_token_head(
 def dequantize_per_token_head(
     q: jax.Array, scale: jax.Array, rope_stored: jax.Array, dst_dtype
 ) -> tuple[jax.Array, jax.Array]:
-  """Inverse of `quantize_per_token_head`: (nope (T,1,R), rope (T,1,Rr)) in dst_dtype."""
-  nope = (q.astype(F32) * scale).astype(dst_dtype)
-  rope = (rope_stored.astype(F32) * scale).astype(dst_dtype)
+  """Inverse of `quantize_per_token_head`: (nope (T,1,R), rope (T,1,Rr)) in dst_dtype
+  (an fp8 dst_dtype saturates, like every cast to fp8 here)."""
+  nope = cast_to_storage(q.astype(F32) * scale, dst_dtype)
+  rope = cast_to_storage(rope_stored.astype(F32) * scale, dst_dtype)
   return nope, rope
 
 
@@ -127,7 +128,7 @@ def get_rows(
     kv: jax.Array, loc: jax.Array, *, kv_lora_rank: int, dst_dtype
 ) -> tuple[jax.Array, jax.Array]:
   """Plain storage: gather rows `loc` as (nope (T,1,R), rope (T,1,Rr)) in dst_dtype."""
-  rows = gather_rows(kv, loc).astype(dst_dtype)
+  rows = cast_to_storage(gather_rows(kv, loc), dst_dtype)
   return rows[..., :kv_lora_rank], rows[..., kv_lora_rank:]
 
 

@@ -37,8 +37,8 @@ def quantize(nope: np.ndarray, rope: np.ndarray, rope_dtype):
 
 def dequantize(q, scale, rope_stored, dst_dtype):
   dst = np_dtype(dst_dtype)
-  return ((q.astype(np.float32) * scale).astype(dst),
-          (rope_stored.astype(np.float32) * scale).astype(dst))
+  return (cast_to_storage(q.astype(np.float32) * scale, dst),
+          cast_to_storage(rope_stored.astype(np.float32) * scale, dst))
 
 
 class NumpyPool:
@@ -84,7 +84,7 @@ class NumpyPool:
         o[i] = b[r]
     if cfg.quantized:
       return dequantize(*out, dst)
-    rows = out[0].astype(dst)
+    rows = cast_to_storage(out[0], dst)
     return rows[..., : cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank:]
 
   def move(self, tgt, src):

@@ -76,3 +76,25 @@ def test_copy_detector_sees_a_copy():
       mc.init_cache(cfg), jnp.arange(2, dtype=jnp.int32), jnp.ones((2, 1, 512)),
       jnp.ones((2, 1, 64))).compile().as_text()
   assert copies_of_cache(hlo, cfg)
+
+
+def test_read_then_update_same_layer_needs_the_documented_barrier():
+  """README rule 5: a read followed by an in-place update of the same layer is ordered
+  only through a data dependency; tying the read to the cache with an optimization
+  barrier removes the copy XLA would otherwise insert."""
+  from jax import lax
+  cfg = mc.SMALL
+
+  def step(cache, loc, nope, rope, tie):
+    out = mc.get_mla_kv_buffer(cache, 0, loc, implementation="xla")
+    if tie:
+      cache, out = lax.optimization_barrier((cache, out))
+    cache = mc.set_mla_kv_buffer(cache, 0, loc, nope, rope, implementation="xla")
+    cache = mc.move_kv_cache(cache, loc, loc[::-1], implementation="xla")
+    return cache, out[0].sum() + out[1].sum()
+
+  args = (jnp.arange(4, dtype=jnp.int32), jnp.ones((4, 1, 512)), jnp.ones((4, 1, 64)))
+  hlo = {tie: jax.jit(functools.partial(step, tie=tie), donate_argnums=0)
+         .lower(mc.init_cache(cfg), *args).compile().as_text() for tie in (False, True)}
+  assert copies_of_cache(hlo[True], cfg) == []
+  assert copies_of_cache(hlo[False], cfg)  # the detector sees the copy the rule avoids
