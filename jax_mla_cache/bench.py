@@ -55,14 +55,14 @@ class Record:
   gbps: float
 
 
-def _gpu_event_ns(trace_dir: str) -> int | None:
-  """Total duration of GPU stream events (kernels, memcpys) in a profiler trace."""
+def gpu_events(trace_dir: str) -> dict[str, int] | None:
+  """Total duration (ns) per GPU event name (kernels, memcpys) in a profiler trace."""
   from jax.profiler import ProfileData
 
   files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
   if not files:
     return None
-  total, found = 0, False
+  totals: dict[str, int] = {}
   for plane in ProfileData.from_file(files[-1]).planes:
     if not plane.name.startswith("/device:GPU"):
       continue
@@ -72,13 +72,16 @@ def _gpu_event_ns(trace_dir: str) -> int | None:
       if not line.name.startswith("Stream"):
         continue
       for event in line.events:
-        total += int(event.duration_ns)
-        found = True
-  return total if found else None
+        totals[event.name] = totals.get(event.name, 0) + int(event.duration_ns)
+  return totals or None
 
 
-def time_per_call(step: Callable[[Any], Any], state: Any, iters: int) -> tuple[float, Any, str]:
-  """Device microseconds per `state = step(state)`; returns (us, state, method)."""
+def time_per_call(step: Callable[[Any], Any], state: Any, iters: int,
+                  breakdown: dict[str, float] | None = None) -> tuple[float, Any, str]:
+  """Device microseconds per `state = step(state)`; returns (us, state, method).
+
+  With `breakdown` (a dict), it is filled with microseconds per call per GPU event name.
+  """
   for _ in range(3):
     state = step(state)
   jax.block_until_ready(state)
@@ -88,9 +91,11 @@ def time_per_call(step: Callable[[Any], Any], state: Any, iters: int) -> tuple[f
         for _ in range(iters):
           state = step(state)
         jax.block_until_ready(state)
-      ns = _gpu_event_ns(d)
-    if ns is not None:
-      return ns / iters / 1e3, state, "profiler"
+      events = gpu_events(d)
+    if events is not None:
+      if breakdown is not None:
+        breakdown.update({name: ns / iters / 1e3 for name, ns in events.items()})
+      return sum(events.values()) / iters / 1e3, state, "profiler"
   t0 = time.perf_counter()
   for _ in range(iters):
     state = step(state)
@@ -135,14 +140,15 @@ def bench_rows(cfg: mc.MLACacheConfig, tokens_list, impls, iters, report) -> Non
                                                                      implementation=impl),
                     donate_argnums=0)
         us, (cache, *_), method = time_per_call(lambda st: (f(*st), *st[1:]),
-                                                (mc.init_cache(c), loc, nope, rope), iters)
-        report(Record(op, impl, tokens, 1, us, (in_bytes + tokens * c.row_bytes) / us / 1e3), method)
+                                                (mc.init_cache(c), loc, nope, rope), iters,
+                                                bd := {})
+        report(Record(op, impl, tokens, 1, us, (in_bytes + tokens * c.row_bytes) / us / 1e3), method, bd)
         if op == "set_mla":
           g = jax.jit(lambda s, l, impl=impl: mc.get_mla_kv_buffer(s, 0, l, implementation=impl))
           # state = (cache, loc, last output); only the gathered rows are produced per call
           us, _, method = time_per_call(lambda st: (st[0], st[1], g(st[0], st[1])),
-                                        (cache, loc, None), iters)
-          report(Record("get_mla", impl, tokens, 1, us, 2 * tokens * c.row_bytes / us / 1e3), method)
+                                        (cache, loc, None), iters, bd := {})
+          report(Record("get_mla", impl, tokens, 1, us, 2 * tokens * c.row_bytes / us / 1e3), method, bd)
         del cache
 
 
@@ -159,9 +165,9 @@ def bench_moves(cfg: mc.MLACacheConfig, tokens_list, pages_list, impls, iters, r
         f = jax.jit(lambda s, t, r, impl=impl: mc.move_kv_cache(s, t, r, implementation=impl),
                     donate_argnums=0)
         us, (cache, *_), method = time_per_call(lambda st: (f(*st), *st[1:]),
-                                                (cache, tgt, src), iters)
+                                                (cache, tgt, src), iters, bd := {})
         report(Record(op, impl, tokens, c.layer_num, us,
-                      2 * tokens * c.row_bytes * c.layer_num / us / 1e3), method)
+                      2 * tokens * c.row_bytes * c.layer_num / us / 1e3), method, bd)
     if op == "move":
       npages = c.rows // c.page_size
       for pages in pages_list:
@@ -171,9 +177,9 @@ def bench_moves(cfg: mc.MLACacheConfig, tokens_list, pages_list, impls, iters, r
           f = jax.jit(lambda s, t, r, impl=impl: mc.move_kv_pages(s, t, r, implementation=impl),
                       donate_argnums=0)
           us, (cache, *_), method = time_per_call(lambda st: (f(*st), *st[1:]),
-                                                  (cache, tgt, src), iters)
+                                                  (cache, tgt, src), iters, bd := {})
           nbytes = 2 * pages * c.page_size * c.row_bytes * c.layer_num
-          report(Record("move_pages", impl, pages, c.layer_num, us, nbytes / us / 1e3), method)
+          report(Record("move_pages", impl, pages, c.layer_num, us, nbytes / us / 1e3), method, bd)
     del cache
 
 
@@ -224,6 +230,9 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--impls", default="pallas,xla")
   parser.add_argument("--iters", type=int, default=None)
   parser.add_argument("--no-plot", action="store_true")
+  parser.add_argument("--breakdown", action="store_true", help="print device time per kernel")
+  parser.add_argument("--tokens", default=None, help="comma list overriding T for set/get")
+  parser.add_argument("--move-tokens", default=None, help="comma list overriding T for moves")
   args = parser.parse_args(argv)
 
   device = jax.devices()[0]
@@ -238,14 +247,21 @@ def main(argv: list[str] | None = None) -> dict:
   else:
     cfg = mc.DEEPSEEK_V3
     set_tokens, move_tokens, page_counts, off_tokens = SET_TOKENS, MOVE_TOKENS, PAGE_COUNTS, OFFLOAD_TOKENS
+  if args.tokens:
+    set_tokens = tuple(int(t) for t in args.tokens.split(","))
+  if args.move_tokens:
+    move_tokens = tuple(int(t) for t in args.move_tokens.split(","))
   records: list[Record] = []
   methods: set[str] = set()
 
-  def report(rec: Record, method: str) -> None:
+  def report(rec: Record, method: str, breakdown: dict[str, float] | None = None) -> None:
     records.append(rec)
     methods.add(method)
     print(f"  {rec.op:12s} {rec.impl:6s} T={rec.T:<6d} layers={rec.layers:<3d} "
           f"{rec.us:10.2f} us {rec.gbps:9.1f} GB/s  [{method}]", flush=True)
+    if args.breakdown and breakdown:
+      for name, us in sorted(breakdown.items(), key=lambda kv: -kv[1]):
+        print(f"      {us:9.2f} us  {name[:100]}", flush=True)
 
   print(f"jax_mla_cache bench on {device.device_kind} (jax {jax.__version__}); "
         f"{'small' if small else 'DeepSeek-V3'} shapes, impls {impls}", flush=True)

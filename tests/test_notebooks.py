@@ -8,10 +8,12 @@ import os
 import pathlib
 import sys
 
-import nbformat
 import pytest
-from jupyter_client.kernelspec import KernelSpecManager
-from nbclient import NotebookClient
+
+# The notebook tools come with the `test` extra; a bare GPU image may lack them.
+nbformat = pytest.importorskip("nbformat")
+NotebookClient = pytest.importorskip("nbclient").NotebookClient
+KernelSpecManager = pytest.importorskip("jupyter_client.kernelspec").KernelSpecManager
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 KERNEL = "python3"
