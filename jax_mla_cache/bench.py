@@ -200,8 +200,17 @@ def bench_offload(cfg: mc.MLACacheConfig, tokens: int, iters: int, report) -> di
     result["pinned_h2d_gbps"] = nbytes / _wall_us(lambda: jax.device_put(host_blob, dev_s), iters) / 1e3
     del blob, host_blob
   us = _wall_us(lambda: mc.get_cpu_copy(cache, idx), iters)
+  report(Record("offload_d2h_alloc", "xla", tokens, cfg.layer_num, us, nbytes / us / 1e3), "wallclock")
+  # The steady state of an engine: each copy recycles the previous copy's host buffers.
+  state = {"host": mc.get_cpu_copy(cache, idx)}
+
+  def copy_out():
+    state["host"] = mc.get_cpu_copy(cache, idx, reuse=state["host"])
+    return state["host"]
+
+  us = _wall_us(copy_out, iters)
   report(Record("offload_d2h", "xla", tokens, cfg.layer_num, us, nbytes / us / 1e3), "wallclock")
-  host = mc.get_cpu_copy(cache, idx).block_until_ready()
+  host = state["host"].block_until_ready()
   state = {"cache": cache}
 
   def load():

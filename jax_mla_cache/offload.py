@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,11 +87,23 @@ def _gather_chunks(cache: MLAKVCache, idx: jax.Array, chunk_size: int):
 
 
 @functools.lru_cache(maxsize=64)
-def _gather_to(out_shardings):
-  """`_gather_chunks` compiled to write its outputs with `out_shardings` (host memory)."""
-  return jax.jit(
-      _gather_chunks.__wrapped__, static_argnames=("chunk_size",), out_shardings=out_shardings
-  )
+def _gather_to(out_shardings, reuse: bool):
+  """`_gather_chunks` compiled to write its outputs with `out_shardings` (host memory).
+
+  With `reuse`, the previous copy's arrays are donated so XLA writes into them
+  instead of allocating new host buffers (pinned allocation dominates a first copy).
+  """
+  if not reuse:
+    return jax.jit(
+        _gather_chunks.__wrapped__, static_argnames=("chunk_size",), out_shardings=out_shardings
+    )
+
+  def gather_into(cache, idx, old_chunks, chunk_size):
+    del old_chunks  # donated: its buffers receive the outputs
+    return _gather_chunks.__wrapped__(cache, idx, chunk_size)
+
+  return jax.jit(gather_into, static_argnames=("chunk_size",), donate_argnames=("old_chunks",),
+                 out_shardings=out_shardings)
 
 
 def _as_indices(token_indices: Any, name: str, op: str) -> jax.Array:
@@ -105,13 +118,16 @@ def get_cpu_copy(
     *,
     chunk_size: int = OFFLOAD_CHUNK_TOKENS,
     memory_kind: str | None = "auto",
+    reuse: HostCopy | None = None,
 ) -> HostCopy:
   """Copy rows `token_indices` (T,) of every layer/buffer to host memory.
 
   Asynchronous: returns before the copy finishes; reading a leaf (or
   `HostCopy.block_until_ready()`) waits. Out-of-range indices copy zeros.
   `memory_kind`: "auto" (pinned_host when available), a memory kind, or None.
-  The cache is not modified or donated.
+  `reuse`: a previous HostCopy of the same token count and chunking whose host
+  buffers are recycled (donated: it is invalid afterwards). The cache is not
+  modified or donated.
   """
   op = "get_cpu_copy"
   _check_cache(cache, op)
@@ -129,8 +145,22 @@ def get_cpu_copy(
             for _ in _chunk_bounds(tokens, chunk_size))
       for layer in cache.buffers
   )
-  gather = _gather_to(out_shardings) if memory_kind is not None else _gather_chunks
-  chunks = gather(cache, idx, chunk_size=chunk_size)
+  if reuse is not None:
+    if not isinstance(reuse, HostCopy) or (reuse.token_count, reuse.chunk_size) != (tokens, chunk_size) \
+        or len(reuse.chunks) != len(cache.buffers):
+      raise ValueError(
+          f"{op}: reuse must be a HostCopy of {tokens} tokens in chunks of {chunk_size} for "
+          f"{len(cache.buffers)} layers, got {reuse if not isinstance(reuse, HostCopy) else (reuse.token_count, reuse.chunk_size, len(reuse.chunks))}"
+      )
+  if memory_kind is None:
+    chunks = _gather_chunks(cache, idx, chunk_size=chunk_size)
+  elif reuse is None:
+    chunks = _gather_to(out_shardings, False)(cache, idx, chunk_size=chunk_size)
+  else:
+    with warnings.catch_warnings():
+      # Backends that cannot alias host buffers (CPU) say so; the copy is still right.
+      warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+      chunks = _gather_to(out_shardings, True)(cache, idx, reuse.chunks, chunk_size=chunk_size)
   return HostCopy(chunks=chunks, token_count=tokens, chunk_size=chunk_size)
 
 

@@ -236,13 +236,17 @@ class MLATokenToKVPool:
     )
 
   # ------------------------------------------------------------------ host tier
-  def get_cpu_copy(self, token_indices: Any) -> offload.HostCopy:
+  def get_cpu_copy(
+      self, token_indices: Any, reuse: offload.HostCopy | None = None
+  ) -> offload.HostCopy:
     """Rows `token_indices` of every layer in host memory (asynchronous; blocks on use).
 
-    Indexable as the seed's nested list: `copy[layer][chunk][buffer]`.
+    Indexable as the seed's nested list: `copy[layer][chunk][buffer]`. `reuse`: an
+    earlier copy of the same size whose host buffers are recycled (it is consumed).
     """
     self._check_indices("get_cpu_copy", "token_indices", token_indices)
-    return offload.get_cpu_copy(self.cache, token_indices, chunk_size=self.offload_chunk_page_num)
+    return offload.get_cpu_copy(self.cache, token_indices, chunk_size=self.offload_chunk_page_num,
+                                reuse=reuse)
 
   def load_cpu_copy(self, kv_cache_cpu: offload.HostCopy, token_indices: Any) -> None:
     """Write a host copy back into rows `token_indices`."""

@@ -119,6 +119,12 @@ def test_offload_round_trip_bit_exact(quant, rng):
   # the functional API: a HostCopy pytree
   copy = mc.get_cpu_copy(pool.cache, jnp.arange(20, 30), chunk_size=4)
   assert jax.tree.structure(copy) == jax.tree.structure(host)
+  # recycling a previous copy's host buffers gives the same bytes
+  again = pool.get_cpu_copy(src, reuse=pool.get_cpu_copy(src))
+  for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(host)):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+  with pytest.raises(ValueError, match="reuse must be a HostCopy of 3 tokens"):
+    pool.get_cpu_copy([1, 2, 3], reuse=host)
   with pytest.raises(ValueError, match="holds 10 tokens"):
     pool.load_cpu_copy(host, list(range(5)))
 
