@@ -14,6 +14,16 @@ buffers nope_buf (rows, 1, R) float8_e4m3fn, scale_buf (rows, 1, 1) float32, rop
 (rows, 1, Rr) model dtype. Rows outside [0, rows) are never touched: writes are skipped,
 reads give zeros. Numerics: SPEC §3 (see `common.cast_from_f32`, `common.true_divide`).
 
+Duplicate slots (several tokens of one call target the same row): on the GPU the writers'
+bulk stores run concurrently and land in independent pieces (the nope and rope parts, and
+16-byte chunks within them), so such a row holds, element by element, a value from one of
+its writers: it may mix writers. For per_token_head each of the three buffers' elements of
+that row comes from one of the writers, possibly different ones (q from one, scale from
+another), so the row's dequantized values are garbage, as the padding page's are. No other
+row changes. Interpret mode (CPU) gives the last writer's row. An exact "one writer wins"
+would need a dedupe pass (a sort or a scatter-max over rows) that costs more than the whole
+kernel at small T; callers that need a defined value must not send duplicate slots.
+
 Design
 ------
 Every kernel is a 1-D grid of programs (one warpgroup each); program b owns tokens
@@ -44,13 +54,21 @@ row is contiguous in every buffer:
   always sees the same number of arrivals); registers convert when needed; then one bulk
   store per output block (contiguous in the outputs).
 
-Block size (`RowConfig`, `block_tokens`): B = ceil(T / target_programs) clamped to
-[1, max_block_tokens] (32; 28 for kernels that go through registers, whose shared-memory
-blocks must be 4 mod 8 rows, see `common.reg_block_rows`). Small T gives one token per
-program and up to T programs (lowest latency: one dependent load, then the copies); large
-T gives 32-token programs (36 KiB of shared memory each for bf16 576-wide rows, so several
-programs per SM keep many bulk copies in flight). Both limits are knobs for the GPU
-benchmark; nothing here is tuned on hardware yet.
+Block size (`RowConfig`, `copy_block_tokens`, `reg_block_tokens`): B = ceil(T /
+target_programs) clamped to [1, max_block_tokens] (32; 12 for kernels that go through
+registers, whose shared-memory blocks are 4 mod 8 rows, see `common.reg_block_rows`; B
+above 4 is rounded up to that row count so no register work is padding). target_programs
+is 528, four programs per SM of an H200: the first version used 132 (one program per SM),
+which at T=4096 gave 128 programs of 32 tokens, one per SM, each loading then storing with
+nothing to overlap its phases, and one thread issuing all 64 of its copies. Small T gives
+one token per program (lowest latency: one dependent load, then the copies).
+
+Gathers read all of a block's slots before issuing any copy (`RowConfig.loc_prefetch`):
+the first version read a slot, issued its copies, then read the next slot, and each read
+waited behind the previous copy issue (B dependent round trips to L2 per program).
+`RowConfig.chunks` splits a pure-copy block into stages with one barrier each so that
+stores start while later stages still load. `benchmarks/sweep_rows.py` times the knobs on
+the GPU; `LEGACY_CONFIG` is the first version's behaviour.
 
 PDL (``pdl=True``): the kernel starts with ``griddepcontrol.wait`` (nothing is read before
 the previous kernel's writes are visible) and then lets dependents launch. Never in
@@ -79,35 +97,74 @@ INV_FP8_MAX = np.float32(1.0) / np.float32(448.0)  # == float32(1/448), as PyTor
 
 @dataclasses.dataclass(frozen=True)
 class RowConfig:
-  """Static tiling knobs of the row kernels (tune on the GPU; defaults are untuned).
+  """Static tiling knobs of the row kernels (`benchmarks/sweep_rows.py` times them).
 
   Attributes:
     max_block_tokens: most tokens per program for the pure-copy kernels.
     max_reg_block_tokens: most tokens per program for kernels that pass rows through
-      registers (casts, quantization, repacking).
-    target_programs: below max_block_tokens, B is chosen to give about this many programs
-      (132 = SMs of an H100/H200), so small T spreads over the GPU.
+      registers (casts, quantization, repacking). Best 4 mod 8 (see `common.reg_block_rows`).
+    target_programs: below the maxima, B is chosen to give about this many programs.
+      528 = 4 programs per SM of an H100/H200 (132 SMs): while one program of an SM waits
+      for its loads another one's stores run, and one program's single issuing thread is
+      not the only source of copies on its SM. (132, one program per SM, is the old choice.)
     set_repack: same-dtype set_rows assembles whole rows in shared memory (registers) and
       writes one bulk store per token instead of two.
     get_split: same-dtype get_rows loads each row as two bulk copies straight into the
       nope and rope output blocks (no registers); False loads whole rows and splits them
       in registers.
+    loc_prefetch: the gather kernels read all of their block's ``loc`` scalars before
+      issuing any copy (one global-memory round trip). False is the old order: read a
+      slot, issue its copies, read the next slot (each read waits behind the previous copy
+      issue, B dependent round trips per program).
+    chunks: the pure-copy kernels split their block into this many stages with one
+      barrier each (the largest divisor of B not above it): stores of stage c start as
+      soon as stage c has landed in shared memory, while later stages still load. 1 = one
+      barrier for the whole block.
+    reg_fill: register kernels round B (when above 4) up to the rows their shared-memory
+      block has anyway (`common.reg_block_rows`, 4 mod 8), within max_reg_block_tokens and
+      T, so no registers work on padding rows. False keeps B as computed.
+    kernel_tag: appended to the kernel names (e.g. to tell variants apart in a profile).
   """
 
   max_block_tokens: int = 32
-  max_reg_block_tokens: int = 28
-  target_programs: int = 132
+  max_reg_block_tokens: int = 12
+  target_programs: int = 528
   set_repack: bool = False
   get_split: bool = True
+  loc_prefetch: bool = True
+  chunks: int = 1
+  reg_fill: bool = True
+  kernel_tag: str = ""
 
 
 DEFAULT_CONFIG = RowConfig()
+# The first version's choices (one program per SM, B up to 32 / 28, slot-by-slot gathers).
+LEGACY_CONFIG = RowConfig(max_reg_block_tokens=28, target_programs=132, loc_prefetch=False,
+                          chunks=1, reg_fill=False)
 
 
 def block_tokens(num_tokens: int, max_tokens: int, target_programs: int) -> int:
   """Tokens per program for a call with `num_tokens` tokens (>= 1, <= num_tokens)."""
   b = -(-num_tokens // max(target_programs, 1))
   return max(1, min(b, max_tokens, num_tokens))
+
+
+def copy_block_tokens(num_tokens: int, config: RowConfig) -> int:
+  """B of the pure-copy kernels."""
+  return block_tokens(num_tokens, config.max_block_tokens, config.target_programs)
+
+
+def reg_block_tokens(num_tokens: int, config: RowConfig) -> int:
+  """B of the kernels that go through registers (see `RowConfig.reg_fill`)."""
+  b = block_tokens(num_tokens, config.max_reg_block_tokens, config.target_programs)
+  if config.reg_fill and b > 4:
+    b = max(b, min(common.reg_block_rows(b), config.max_reg_block_tokens, num_tokens))
+  return b
+
+
+def stage_count(B: int, chunks: int) -> int:
+  """Stages of a pure-copy block: the largest divisor of B that is <= chunks (>= 1)."""
+  return max(c for c in range(1, max(1, min(chunks, B)) + 1) if B % c == 0)
 
 
 # ----------------------------------------------------------------------------------------
@@ -174,6 +231,22 @@ def _block_start(B: int, T: int):
 _PROMISE = dict(oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
 
 
+def _barriers(num_arrivals: int, stages: int):
+  """One barrier (stages == 1, the original kernels) or one per stage."""
+  if stages == 1:
+    return plgpu.Barrier(num_arrivals=num_arrivals)
+  return plgpu.Barrier(num_arrivals=num_arrivals, num_barriers=stages)
+
+
+def _bar(bar, c: int, stages: int):
+  return bar if stages == 1 else bar.at[c]
+
+
+def _stage(ref, start: int, n: int, stages: int):
+  """Rows [start, start + n) of a shared-memory block (the whole ref for one stage)."""
+  return ref if stages == 1 else ref.at[pl.ds(start, n)]
+
+
 # ----------------------------------------------------------------------------------------
 # set_rows
 
@@ -208,9 +281,10 @@ def set_rows(kv, loc, nope, rope, *, pdl: bool = False, config: RowConfig | None
                           ("nope", R, nope.dtype), ("rope", Rr, rope.dtype)):
     _check_bulk(name, width, dt)
   if same and not config.set_repack:
-    B = block_tokens(T, config.max_block_tokens, config.target_programs)
+    B = copy_block_tokens(T, config)
     build = functools.partial(
-        _set_rows_copy, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype, B=B, pdl=pdl
+        _set_rows_copy, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype, B=B, pdl=pdl,
+        stages=stage_count(B, config.chunks), tag=config.kernel_tag,
     )
   else:
     if common.row_layout_vec(R) is None or common.row_layout_vec(Rr) is None:
@@ -218,10 +292,11 @@ def set_rows(kv, loc, nope, rope, *, pdl: bool = False, config: RowConfig | None
       nope, rope = common.cast_to(nope, dtype), common.cast_to(rope, dtype)
       return set_rows(kv, loc, nope, rope, pdl=pdl,
                       config=dataclasses.replace(config, set_repack=False))
-    B = block_tokens(T, config.max_reg_block_tokens, config.target_programs)
+    B = reg_block_tokens(T, config)
     build = functools.partial(
         _set_rows_regs, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype,
         in_dtypes=(jnp.dtype(nope.dtype), jnp.dtype(rope.dtype)), B=B, pdl=pdl,
+        tag=config.kernel_tag,
     )
   out = common.dispatch(
       build, kv.reshape(rows, W), loc, common.as_rows(nope), common.as_rows(rope)
@@ -229,26 +304,35 @@ def set_rows(kv, loc, nope, rope, *, pdl: bool = False, config: RowConfig | None
   return out.reshape(rows, 1, W)
 
 
-def _set_rows_copy(interpret, *, T, rows, R, Rr, dtype, B, pdl):
+def _set_rows_copy(interpret, *, T, rows, R, Rr, dtype, B, pdl, stages=1, tag=""):
+  n = B // stages  # tokens per stage
+
   def body(loc_ref, n_ref, r_ref, kv_ref, nsm, rsm, bar):
     _pdl_prologue(pdl, interpret)
     t0 = _block_start(B, T)
-    plgpu.copy_gmem_to_smem(n_ref.at[pl.ds(t0, B)], nsm, bar, **_PROMISE)
-    plgpu.copy_gmem_to_smem(r_ref.at[pl.ds(t0, B)], rsm, bar, **_PROMISE)
+    for c in range(stages):
+      s0 = c * n
+      plgpu.copy_gmem_to_smem(n_ref.at[pl.ds(t0 + s0, n)], _stage(nsm, s0, n, stages),
+                              _bar(bar, c, stages), **_PROMISE)
+      plgpu.copy_gmem_to_smem(r_ref.at[pl.ds(t0 + s0, n)], _stage(rsm, s0, n, stages),
+                              _bar(bar, c, stages), **_PROMISE)
     rs = [loc_ref[t0 + i] for i in range(B)]
-    plgpu.barrier_wait(bar)
-    for i, r in enumerate(rs):
-      @pl.when(common.valid_row(r, rows))
-      def _():
-        plgpu.copy_smem_to_gmem(nsm.at[i], kv_ref.at[r, pl.ds(0, R)], commit_group=False)
-        plgpu.copy_smem_to_gmem(rsm.at[i], kv_ref.at[r, pl.ds(R, Rr)], commit_group=False)
+    for c in range(stages):
+      plgpu.barrier_wait(_bar(bar, c, stages))
+      for i in range(c * n, (c + 1) * n):
+        r = rs[i]
+
+        @pl.when(common.valid_row(r, rows))
+        def _():
+          plgpu.copy_smem_to_gmem(nsm.at[i], kv_ref.at[r, pl.ds(0, R)], commit_group=False)
+          plgpu.copy_smem_to_gmem(rsm.at[i], kv_ref.at[r, pl.ds(R, Rr)], commit_group=False)
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   kernel = _kernel(
-      body, out_type=(), grid=pl.cdiv(T, B), name="mla_set_rows", interpret=interpret,
+      body, out_type=(), grid=pl.cdiv(T, B), name="mla_set_rows" + tag, interpret=interpret,
       scratch=[plgpu.SMEM((B, R), dtype), plgpu.SMEM((B, Rr), dtype),
-               plgpu.Barrier(num_arrivals=2)],
+               _barriers(2, stages)],
   )
 
   def run(kv2, loc, n2, r2):
@@ -259,7 +343,7 @@ def _set_rows_copy(interpret, *, T, rows, R, Rr, dtype, B, pdl):
   return run
 
 
-def _set_rows_regs(interpret, *, T, rows, R, Rr, dtype, in_dtypes, B, pdl):
+def _set_rows_regs(interpret, *, T, rows, R, Rr, dtype, in_dtypes, B, pdl, tag=""):
   Bc = common.reg_block_rows(B)
   W = R + Rr
   # Element-wise casts: strided layouts (they can store into the strided row parts).
@@ -284,7 +368,7 @@ def _set_rows_regs(interpret, *, T, rows, R, Rr, dtype, in_dtypes, B, pdl):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   kernel = _kernel(
-      body, out_type=(), grid=pl.cdiv(T, B), name="mla_set_rows_cast", interpret=interpret,
+      body, out_type=(), grid=pl.cdiv(T, B), name="mla_set_rows_cast" + tag, interpret=interpret,
       scratch=[plgpu.SMEM((Bc, R), in_dtypes[0]), plgpu.SMEM((Bc, Rr), in_dtypes[1]),
                plgpu.SMEM((Bc, W), dtype), plgpu.Barrier(num_arrivals=2)],
   )
@@ -336,10 +420,11 @@ def set_rows_per_token_head(
   for name, width, dt in (("nope_buf", R, FP8_E4M3), ("rope_buf", Rr, rope_buf.dtype),
                           ("nope", R, nope.dtype), ("rope", Rr, rope.dtype)):
     _check_bulk(name, width, dt)
-  B = block_tokens(T, config.max_reg_block_tokens, config.target_programs)
+  B = reg_block_tokens(T, config)
   build = functools.partial(
       _set_pth, T=T, rows=rows, R=R, Rr=Rr, rope_dtype=jnp.dtype(rope_buf.dtype),
       in_dtypes=(jnp.dtype(nope.dtype), jnp.dtype(rope.dtype)), B=B, pdl=pdl,
+      tag=config.kernel_tag,
   )
   q, s, r = common.dispatch(
       build, nope_buf.reshape(rows, R), scale_buf.reshape(rows), rope_buf.reshape(rows, Rr),
@@ -348,7 +433,7 @@ def set_rows_per_token_head(
   return q.reshape(rows, 1, R), s.reshape(rows, 1, 1), r.reshape(rows, 1, Rr)
 
 
-def _set_pth(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, B, pdl):
+def _set_pth(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, B, pdl, tag=""):
   Bc = common.reg_block_rows(B)
   ln = common.row_layout(R, in_dtypes[0], FP8_E4M3)
   lr = common.row_layout(Rr, in_dtypes[1], rope_dtype)
@@ -378,7 +463,7 @@ def _set_pth(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, B, pdl):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   kernel = _kernel(
-      body, out_type=(), grid=pl.cdiv(T, B), name="mla_set_rows_per_token_head",
+      body, out_type=(), grid=pl.cdiv(T, B), name="mla_set_rows_per_token_head" + tag,
       interpret=interpret,
       scratch=[plgpu.SMEM((Bc, R), in_dtypes[0]), plgpu.SMEM((Bc, Rr), in_dtypes[1]),
                plgpu.SMEM((Bc, R), FP8_E4M3), plgpu.SMEM((Bc, Rr), rope_dtype),
@@ -423,18 +508,21 @@ def get_rows(kv, loc, *, kv_lora_rank: int, dst_dtype, pdl: bool = False,
     _check_bulk(name, width, dt)
   same = dst == dtype and dtype != jnp.dtype(jnp.float8_e5m2)
   if same and config.get_split:
-    B = block_tokens(T, config.max_block_tokens, config.target_programs)
+    B = copy_block_tokens(T, config)
     build = functools.partial(
-        _get_rows_copy, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype, B=B, pdl=pdl
+        _get_rows_copy, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype, B=B, pdl=pdl,
+        stages=stage_count(B, config.chunks), prefetch=config.loc_prefetch,
+        tag=config.kernel_tag,
     )
   else:
     if common.row_layout_vec(R) is None or common.row_layout_vec(Rr) is None:
       nope, rope = get_rows(kv, loc, kv_lora_rank=R, dst_dtype=dtype, pdl=pdl,
                             config=dataclasses.replace(config, get_split=True))
       return common.cast_to(nope, dst), common.cast_to(rope, dst)
-    B = block_tokens(T, config.max_reg_block_tokens, config.target_programs)
+    B = reg_block_tokens(T, config)
     build = functools.partial(
-        _get_rows_regs, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype, dst=dst, B=B, pdl=pdl
+        _get_rows_regs, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype, dst=dst, B=B, pdl=pdl,
+        prefetch=config.loc_prefetch, tag=config.kernel_tag,
     )
   nope, rope = common.dispatch(
       build, kv.reshape(rows, W), loc.astype(jnp.int32), common.zeros_row(W, dtype)
@@ -456,31 +544,49 @@ def _load_row_or_zeros(src, zeros, dst, bar, r, rows):
     plgpu.copy_gmem_to_smem(zeros, dst, bar, **_PROMISE)
 
 
-def _get_rows_copy(interpret, *, T, rows, R, Rr, dtype, B, pdl):
+def _block_slots(loc_ref, t0, B: int, prefetch: bool):
+  """The block's slots: all read up front (prefetch), or lazily, one per use (old order)."""
+  if prefetch:
+    rs = [loc_ref[t0 + i] for i in range(B)]
+    return lambda i: rs[i]
+  return lambda i: loc_ref[t0 + i]
+
+
+def _get_rows_copy(interpret, *, T, rows, R, Rr, dtype, B, pdl, stages=1, prefetch=False,
+                   tag=""):
+  n = B // stages  # tokens per stage
+
   def body(kv_ref, loc_ref, z_ref, on_ref, or_ref, nsm, rsm, bar):
     _pdl_prologue(pdl, interpret)
     t0 = _block_start(B, T)
+    slot = _block_slots(loc_ref, t0, B, prefetch)
     for i in range(B):
-      r = loc_ref[t0 + i]
+      r = slot(i)
+      b = _bar(bar, i // n, stages)
       _load_row_or_zeros(lambda r: kv_ref.at[r, pl.ds(0, R)], z_ref.at[0, pl.ds(0, R)],
-                         nsm.at[i], bar, r, rows)
+                         nsm.at[i], b, r, rows)
       _load_row_or_zeros(lambda r: kv_ref.at[r, pl.ds(R, Rr)], z_ref.at[0, pl.ds(R, Rr)],
-                         rsm.at[i], bar, r, rows)
-    plgpu.barrier_wait(bar)
-    plgpu.copy_smem_to_gmem(nsm, on_ref.at[pl.ds(t0, B)], commit_group=False)
-    plgpu.copy_smem_to_gmem(rsm, or_ref.at[pl.ds(t0, B)], commit_group=False)
+                         rsm.at[i], b, r, rows)
+    for c in range(stages):
+      s0 = c * n
+      plgpu.barrier_wait(_bar(bar, c, stages))
+      plgpu.copy_smem_to_gmem(_stage(nsm, s0, n, stages), on_ref.at[pl.ds(t0 + s0, n)],
+                              commit_group=False)
+      plgpu.copy_smem_to_gmem(_stage(rsm, s0, n, stages), or_ref.at[pl.ds(t0 + s0, n)],
+                              commit_group=False)
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return _kernel(
-      body, grid=pl.cdiv(T, B), name="mla_get_rows", interpret=interpret,
+      body, grid=pl.cdiv(T, B), name="mla_get_rows" + tag, interpret=interpret,
       out_type=(jax.ShapeDtypeStruct((T, R), dtype), jax.ShapeDtypeStruct((T, Rr), dtype)),
       scratch=[plgpu.SMEM((B, R), dtype), plgpu.SMEM((B, Rr), dtype),
-               plgpu.Barrier(num_arrivals=2 * B)],
+               _barriers(2 * n, stages)],
   )
 
 
-def _get_rows_regs(interpret, *, T, rows, R, Rr, dtype, dst, B, pdl):
+def _get_rows_regs(interpret, *, T, rows, R, Rr, dtype, dst, B, pdl, prefetch=False,
+                   tag=""):
   Bc = common.reg_block_rows(B)
   W = R + Rr
   ln = common.strided_layout((Bc, R), dtype, dst)
@@ -489,8 +595,9 @@ def _get_rows_regs(interpret, *, T, rows, R, Rr, dtype, dst, B, pdl):
   def body(kv_ref, loc_ref, z_ref, on_ref, or_ref, csm, nsm, rsm, bar):
     _pdl_prologue(pdl, interpret)
     t0 = _block_start(B, T)
+    slot = _block_slots(loc_ref, t0, B, prefetch)
     for i in range(B):
-      r = loc_ref[t0 + i]
+      r = slot(i)
       _load_row_or_zeros(lambda r: kv_ref.at[r], z_ref.at[0], csm.at[i], bar, r, rows)
     plgpu.barrier_wait(bar)
     nsm[...] = common.cast_to(plgpu.load(csm.at[:, pl.ds(0, R)], layout=ln), dst)
@@ -502,7 +609,7 @@ def _get_rows_regs(interpret, *, T, rows, R, Rr, dtype, dst, B, pdl):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return _kernel(
-      body, grid=pl.cdiv(T, B), name="mla_get_rows_cast", interpret=interpret,
+      body, grid=pl.cdiv(T, B), name="mla_get_rows_cast" + tag, interpret=interpret,
       out_type=(jax.ShapeDtypeStruct((T, R), dst), jax.ShapeDtypeStruct((T, Rr), dst)),
       scratch=[plgpu.SMEM((Bc, W), dtype), plgpu.SMEM((Bc, R), dst),
                plgpu.SMEM((Bc, Rr), dst), plgpu.Barrier(num_arrivals=B)],
@@ -544,9 +651,10 @@ def get_rows_per_token_head(
   for name, width, dt in (("nope_buf", R, FP8_E4M3), ("rope_buf", Rr, rope_dtype),
                           ("nope", R, dst), ("rope", Rr, dst)):
     _check_bulk(name, width, dt)
-  B = block_tokens(T, config.max_reg_block_tokens, config.target_programs)
+  B = reg_block_tokens(T, config)
   build = functools.partial(
-      _get_pth, T=T, rows=rows, R=R, Rr=Rr, rope_dtype=rope_dtype, dst=dst, B=B, pdl=pdl
+      _get_pth, T=T, rows=rows, R=R, Rr=Rr, rope_dtype=rope_dtype, dst=dst, B=B, pdl=pdl,
+      prefetch=config.loc_prefetch, tag=config.kernel_tag,
   )
   nope, rope = common.dispatch(
       build, nope_buf.reshape(rows, R), scale_buf.reshape(rows), rope_buf.reshape(rows, Rr),
@@ -555,7 +663,7 @@ def get_rows_per_token_head(
   return nope.reshape(T, 1, R), rope.reshape(T, 1, Rr)
 
 
-def _get_pth(interpret, *, T, rows, R, Rr, rope_dtype, dst, B, pdl):
+def _get_pth(interpret, *, T, rows, R, Rr, rope_dtype, dst, B, pdl, prefetch=False, tag=""):
   Bc = common.reg_block_rows(B)
   ln = common.row_layout(R, FP8_E4M3, dst)
   lr = common.row_layout(Rr, rope_dtype, dst)
@@ -564,9 +672,10 @@ def _get_pth(interpret, *, T, rows, R, Rr, rope_dtype, dst, B, pdl):
            qsm, rsm, ssm, nsm, orsm, bar):
     _pdl_prologue(pdl, interpret)
     t0 = _block_start(B, T)
+    slot = _block_slots(loc_ref, t0, B, prefetch)
     rs = []
     for i in range(B):
-      r = loc_ref[t0 + i]
+      r = slot(i)
       rs.append(r)
       _load_row_or_zeros(lambda r: qb_ref.at[r], zq_ref.at[0], qsm.at[i], bar, r, rows)
       _load_row_or_zeros(lambda r: rb_ref.at[r], zr_ref.at[0], rsm.at[i], bar, r, rows)
@@ -590,7 +699,7 @@ def _get_pth(interpret, *, T, rows, R, Rr, rope_dtype, dst, B, pdl):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return _kernel(
-      body, grid=pl.cdiv(T, B), name="mla_get_rows_per_token_head", interpret=interpret,
+      body, grid=pl.cdiv(T, B), name="mla_get_rows_per_token_head" + tag, interpret=interpret,
       out_type=(jax.ShapeDtypeStruct((T, R), dst), jax.ShapeDtypeStruct((T, Rr), dst)),
       scratch=[plgpu.SMEM((Bc, R), FP8_E4M3), plgpu.SMEM((Bc, Rr), rope_dtype),
                plgpu.SMEM((Bc,), F32), plgpu.SMEM((Bc, R), dst), plgpu.SMEM((Bc, Rr), dst),
