@@ -12,6 +12,19 @@ write; pairs with an index outside ``[0, rows)`` are skipped)::
 
 Design (one Mosaic GPU program never races another because each owns distinct bytes):
 
+* Token moves, streamed path (the default up to T ~ 4096; one launch): XLA marks the
+  "endangered" sources (targets of another pair; an O(T^2) compare fused in one kernel for
+  T <= 1024) and a flag "any endangered". Programs run over (buffer, chunk of tokens) and
+  copy whole rows (one bulk copy per row each way) through a ring of shared-memory slots,
+  loads running ahead of stores. With no endangered source (disjoint sets) no program can
+  write a byte another reads, so all chunks run in parallel. Otherwise only the first
+  program of each buffer works, on all T tokens of its buffer: it saves the endangered
+  sources to a temporary, waits for those writes, then moves every pair; it owns the
+  buffer, so this is the snapshot for any overlap. One-element rows (the per_token_head
+  scale) get one program per buffer that reads every 16-byte window before any scalar store.
+  Page moves use the same path on buffers viewed as blocks of whole rows (a free reshape).
+  The staged and two-pass paths below remain (``MoveTiling.token_path``) and are the
+  fallback when the indices do not fit shared memory.
 * Token moves, staged path (one launch): the grid runs over (buffer, column band). A band is
   a contiguous byte range of a row, a multiple of 16 bytes. Its program copies the band of all
   T source rows into shared memory (one ``cp.async.bulk`` per row, all arriving on one
@@ -63,6 +76,18 @@ class MoveTiling:
     min_programs: the staged path narrows bands until the grid has this many programs.
     two_pass_smem_bytes: shared memory of one two-pass program (its items of one buffer).
     max_items_per_program: cap on the items one two-pass program moves.
+    token_path: "auto" (streamed when the indices fit, else two-pass), "stream",
+      "staged" (falls back to two-pass when bands do not fit) or "two_pass".
+    stream_programs: streamed path: target number of (wide buffer, token chunk) programs.
+    stream_max_chunk, stream_min_chunk: bounds of a streamed program's token chunk.
+    stream_slots, stream_lookahead: the streamed ring: shared-memory row slots, and how
+      many row loads run ahead of the stores (``< stream_slots``).
+    stream_index_bytes: shared memory for all T indices (tgt, src, save); above it, two-pass.
+    stream_item_bytes: page moves on the streamed path copy blocks of whole rows of at most
+      this many bytes (one bulk copy each).
+    stream_ring_bytes: page moves: cap on a program's ring (slots x block bytes).
+    small_t_compare: up to this T, endangered sources come from an O(T^2) compare
+      (one fused XLA kernel) instead of a sort.
   """
 
   staged_smem_bytes: int = 160 * 1024
@@ -70,6 +95,16 @@ class MoveTiling:
   min_programs: int = 2 * 132
   two_pass_smem_bytes: int = 64 * 1024
   max_items_per_program: int = 32
+  token_path: str = "auto"
+  stream_programs: int = 1024
+  stream_max_chunk: int = 256
+  stream_min_chunk: int = 8
+  stream_slots: int = 16
+  stream_lookahead: int = 8
+  stream_index_bytes: int = 48 * 1024
+  stream_item_bytes: int = 8 * 1024
+  stream_ring_bytes: int = 72 * 1024
+  small_t_compare: int = 1024
 
 
 DEFAULT_TILING = MoveTiling()
@@ -107,7 +142,14 @@ def move_rows(
     return buffers
   rows = buffers[0].shape[0]
   tgt, src = _sanitize(tgt, src, rows)
-  plan = _staged_plan(buffers, tgt.shape[0], tiling)
+  path = tiling.token_path
+  if path not in ("auto", "stream", "staged", "two_pass"):
+    raise ValueError(f"tiling.token_path: expected auto/stream/staged/two_pass, got {path!r}")
+  if path in ("auto", "stream"):
+    splan = _stream_plan(buffers, tgt.shape[0], tiling)
+    if splan is not None:
+      return _stream(buffers, tgt, src, splan=splan, pdl=pdl, tiling=tiling)
+  plan = _staged_plan(buffers, tgt.shape[0], tiling) if path == "staged" else None
   if plan is not None:
     count = plan[-1].first_job + plan[-1].num_bands
     tgt, src = _pad(tgt, src, _BULK_ALIGN // 4)
@@ -141,6 +183,10 @@ def move_pages(
     return buffers
   num_pages = buffers[0].shape[0] // page_size
   tgt, src = _sanitize(tgt, src, num_pages)
+  if tiling.token_path in ("auto", "stream"):
+    moved = _stream_pages(buffers, tgt, src, page_size=page_size, pdl=pdl, tiling=tiling)
+    if moved is not None:
+      return moved
   return _two_pass(buffers, tgt, src, unit_rows=page_size, pdl=pdl, tiling=tiling)
 
 
@@ -199,8 +245,17 @@ def _pad(tgt, src, multiple: int):
           jnp.pad(src, (0, extra), constant_values=0))
 
 
-def _endangered(tgt, src):
-  """``save[j]``: some other kept pair writes unit ``src[j]``, so it must be read first."""
+def _endangered(tgt, src, small_t_compare: int = 0):
+  """``save[j]``: some other kept pair writes unit ``src[j]``, so it must be read first.
+
+  Up to ``small_t_compare`` pairs an all-pairs compare (one fused XLA reduction, cheaper
+  than a sort at small T); beyond, a sort and two binary searches.
+  """
+  n = tgt.shape[0]
+  if n <= small_t_compare:
+    other = jnp.arange(n)[:, None] != jnp.arange(n)[None, :]
+    hit = jnp.any((src[:, None] == tgt[None, :]) & other, axis=1)
+    return (hit & (tgt >= 0)).astype(jnp.int32)
   order = jnp.sort(tgt)  # skipped pairs sort first (-1), and no kept src is negative.
   count = (jnp.searchsorted(order, src, side="right")
            - jnp.searchsorted(order, src, side="left"))
@@ -408,6 +463,228 @@ def _move_narrow_rows(buffer, tgt_smem, src_smem, tokens, rows, window):
 
 
 # ----------------------------------------------------------------------------------------
+# Streamed token moves: one launch, programs over (wide buffer, token chunk)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StreamPlan:
+  chunk: int  # tokens per wide program (a multiple of 4)
+  chunks: int
+  tokens: int  # padded T, chunk * chunks
+  wide: tuple[int, ...]  # buffer positions with rows of 16-byte multiples
+  narrow: tuple[int, ...]  # one-element rows (one program each, all tokens)
+
+
+def _stream_plan(buffers, num_tokens: int, tiling: MoveTiling):
+  """Chunking of the streamed path, or None when T's indices do not fit shared memory."""
+  narrow = tuple(k for k, b in enumerate(buffers) if _is_narrow(b, 1))
+  wide = tuple(k for k in range(len(buffers)) if k not in narrow)
+  want = -(-num_tokens * max(1, len(wide)) // tiling.stream_programs)
+  chunk = max(tiling.stream_min_chunk, 4, 1 << max(0, want - 1).bit_length())
+  chunk = min(chunk, max(4, tiling.stream_max_chunk), -(-num_tokens // 4) * 4)
+  chunk = -(-chunk // 4) * 4
+  chunks = -(-num_tokens // chunk)
+  tokens = chunk * chunks
+  if 3 * 4 * tokens > tiling.stream_index_bytes:
+    return None
+  if narrow and tokens * _BULK_ALIGN > tiling.staged_smem_bytes:
+    return None
+  return _StreamPlan(chunk, chunks, tokens, wide, narrow)
+
+
+def _stream_pages(buffers, tgt, src, *, page_size, pdl, tiling: MoveTiling):
+  """Page moves on the streamed path: each buffer viewed as blocks of ``item_rows`` rows
+  (a free reshape), a page being ``page_size // item_rows`` consecutive blocks. None when
+  no block size fits or the block indices do not fit shared memory."""
+  rows = buffers[0].shape[0]
+  row_bytes = [math.prod(b.shape[1:]) * b.dtype.itemsize for b in buffers]
+  item_rows = None
+  for r in range(page_size, 0, -1):
+    if (page_size % r == 0 and rows % r == 0 and max(row_bytes) * r <= tiling.stream_item_bytes
+        and all(r * x % _BULK_ALIGN == 0 for x in row_bytes)):
+      item_rows = r
+      break
+  if item_rows is None:
+    return None
+  blocks = page_size // item_rows
+  views = [b.reshape(rows // item_rows, item_rows * math.prod(b.shape[1:])) for b in buffers]
+  splan = _stream_plan(views, tgt.shape[0] * blocks, tiling)
+  if splan is None or splan.narrow:
+    return None
+  save = _endangered(tgt, src, tiling.small_t_compare)
+  offset = jnp.arange(blocks, dtype=jnp.int32)
+  item_tgt = jnp.where(tgt[:, None] >= 0, tgt[:, None] * blocks + offset, -1).reshape(-1)
+  item_src = (src[:, None] * blocks + offset).reshape(-1)
+  item_save = jnp.broadcast_to(save[:, None], (save.shape[0], blocks)).reshape(-1)
+  slots = max(2, min(tiling.stream_slots, tiling.stream_ring_bytes // (max(row_bytes) * item_rows)))
+  tiling = dataclasses.replace(tiling, stream_slots=slots,
+                               stream_lookahead=min(tiling.stream_lookahead, slots // 2))
+  moved = _stream(views, item_tgt, item_src, splan=splan, pdl=pdl, tiling=tiling, save=item_save)
+  return tuple(m.reshape(b.shape) for m, b in zip(moved, buffers))
+
+
+def _stream(buffers, tgt, src, *, splan: _StreamPlan, pdl: bool, tiling: MoveTiling,
+            save=None):
+  """One launch. XLA computes which sources are endangered (targets of another pair).
+
+  * None endangered (disjoint sets: the common case): no write of any program can reach a
+    byte another program reads, so every (wide buffer, chunk) program streams its rows
+    through a ring of shared-memory slots (one bulk copy per row each way).
+  * Some endangered: only the first program of each wide buffer works, on all T tokens of
+    its buffer: it saves the endangered sources to a temporary, waits for those writes,
+    then moves every pair (endangered ones from the temporary). It owns the buffer, so
+    this is the snapshot for any overlap (swaps, chains, cycles).
+  * One-element rows (the per_token_head scale): one program per buffer loads every
+    source's 16-byte window into shared memory before any scalar store (its own snapshot).
+  """
+  if save is None:
+    save = _endangered(tgt, src, tiling.small_t_compare)
+  extra = splan.tokens - tgt.shape[0]
+  if extra:
+    tgt = jnp.pad(tgt, (0, extra), constant_values=-1)
+    src = jnp.pad(src, (0, extra))
+    save = jnp.pad(save, (0, extra))
+  flag = jnp.broadcast_to(jnp.max(save), (_BULK_ALIGN // 4,))
+  run = functools.partial(_stream_move, splan=splan, pdl=pdl,
+                          slots=tiling.stream_slots,
+                          lookahead=min(tiling.stream_lookahead, tiling.stream_slots - 1))
+  return _on_platform(functools.partial(_in_place, run), buffers, tgt, src, save, flag)
+
+
+def _stream_move(refs, tgt, src, save, flag, *, splan, pdl, slots, lookahead, interpret):
+  chunk, chunks, tokens = splan.chunk, splan.chunks, splan.tokens
+  rows = refs[0].shape[0]
+  num_wide_jobs = len(splan.wide) * chunks
+  num_jobs = num_wide_jobs + len(splan.narrow)
+  temp_types = tuple(
+      jax.ShapeDtypeStruct((tokens, *refs[k].shape[1:]), refs[k].dtype) for k in splan.wide)
+
+  def body(tgt_gmem, src_gmem, save_gmem, flag_gmem, *rest):
+    buffers = rest[:len(refs)]
+    temps = rest[len(refs):len(refs) + len(temp_types)]
+    tgt_smem, src_smem, save_smem, flag_smem, first_barrier, all_barrier = (
+        rest[len(refs) + len(temp_types):])
+    if pdl:
+      plgpu.griddepcontrol_wait()
+    job = jax.lax.axis_index("job")
+    is_wide = job < num_wide_jobs
+    part = job % chunks
+    first = part * chunk
+    # The flag and this program's chunk of indices in one round trip; all indices only when
+    # needed (some source endangered, or a one-element-row program).
+    _load_indices([(flag_gmem, flag_smem),
+                   (tgt_gmem.at[pl.ds(first, chunk)], tgt_smem.at[pl.ds(first, chunk)]),
+                   (src_gmem.at[pl.ds(first, chunk)], src_smem.at[pl.ds(first, chunk)]),
+                   (save_gmem.at[pl.ds(first, chunk)], save_smem.at[pl.ds(first, chunk)])],
+                  first_barrier)
+    safe = flag_smem[0] != 0
+
+    @pl.when(safe | jnp.logical_not(is_wide))
+    def _():
+      _load_indices([(tgt_gmem, tgt_smem), (src_gmem, src_smem), (save_gmem, save_smem)],
+                    all_barrier)
+
+    which = job // chunks
+    for w, (k, temp) in enumerate(zip(splan.wide, temps)):
+      pl.when(is_wide & (which == w))(functools.partial(
+          _stream_wide, buffers[k], temp, tgt_smem, src_smem, save_smem, safe, part,
+          chunk=chunk, chunks=chunks, slots=slots, lookahead=lookahead))
+    for n, k in enumerate(splan.narrow):
+      pl.when(job == num_wide_jobs + n)(functools.partial(
+          _move_narrow_rows, buffers[k], tgt_smem, src_smem, tokens, rows,
+          _window(buffers[k].dtype)))
+
+  # Temporaries are outputs (never read unless written first); the kernel only needs their
+  # memory, so they are dropped right after.
+  plgpu.kernel(
+      body,
+      out_type=temp_types,
+      grid=(num_jobs,),
+      grid_names=("job",),
+      scratch_types=[plgpu.SMEM((tokens,), jnp.int32), plgpu.SMEM((tokens,), jnp.int32),
+                     plgpu.SMEM((tokens,), jnp.int32), plgpu.SMEM((_BULK_ALIGN // 4,), jnp.int32),
+                     plgpu.Barrier(num_arrivals=4), plgpu.Barrier(num_arrivals=3)],
+      compiler_params=_compiler_params(),
+      interpret=interpret,
+  )(tgt, src, save, flag, *refs)
+
+
+def _stream_wide(buffer, temp, tgt_smem, src_smem, save_smem, safe, part, *, chunk, chunks,
+                 slots, lookahead):
+  """One wide buffer: chunk ``part`` (no source endangered), or all chunks in two phases.
+
+  Phase 0 (only when ``safe``): ``temp[i] = buffer[src[i]]`` for endangered items, then a
+  full wait for those writes. Phase 1: ``buffer[tgt[i]] = temp[i] if save[i] else
+  buffer[src[i]]``. Rows stream through ``slots`` shared-memory slots; loads run
+  ``lookahead`` items ahead of the stores; each iteration commits one store group, so
+  waiting until ``slots - lookahead - 1`` groups remain frees the slot being reloaded.
+  """
+  outstanding = slots - lookahead - 1
+  run = jnp.logical_not(safe) | (part == 0)
+
+  def ring(stage, barriers, start, phase):
+    moving = phase == 1
+
+    @pl.loop(0, chunk + lookahead)
+    def _(step):
+      @pl.when(step < chunk)
+      def _():
+        i = start + step
+        slot = step % slots
+        saved = save_smem[i] != 0
+        plgpu.wait_smem_to_gmem(outstanding, wait_read_only=True)
+
+        @pl.when(saved & moving)
+        def _():
+          _load(temp.at[i], stage.at[slot], barriers.at[slot])
+
+        @pl.when(saved != moving)  # phase 0 and saved, or phase 1 and not saved
+        def _():
+          _load(buffer.at[src_smem[i]], stage.at[slot], barriers.at[slot])
+
+      @pl.when(step >= lookahead)
+      def _():
+        j = step - lookahead
+        i = start + j
+        slot = j % slots
+        saved = save_smem[i] != 0
+        row = tgt_smem[i]
+
+        @pl.when(saved | moving)
+        def _():
+          plgpu.barrier_wait(barriers.at[slot])
+
+        @pl.when(saved & jnp.logical_not(moving))
+        def _():
+          plgpu.copy_smem_to_gmem(stage.at[slot], temp.at[i], commit_group=False)
+
+        @pl.when(moving & (row >= 0))
+        def _():
+          plgpu.copy_smem_to_gmem(stage.at[slot], buffer.at[row], commit_group=False)
+
+      plgpu.commit_smem_to_gmem_group()
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  def scoped(stage, barriers):
+    @pl.loop(0, 2)
+    def _(phase):
+      @pl.when(run & (safe | (phase == 1)))
+      def _():
+        @pl.loop(0, chunks)
+        def _(c):
+          @pl.when(jnp.where(safe, True, c == part))
+          def _():
+            ring(stage, barriers, c * chunk, phase)
+
+        # The saved rows must have landed before phase 1 reads them back.
+        plgpu.wait_smem_to_gmem(0)
+
+  pl.run_scoped(scoped, plgpu.SMEM((slots, *buffer.shape[1:]), buffer.dtype),
+                plgpu.Barrier(num_arrivals=1, num_barriers=slots))
+
+
+# ----------------------------------------------------------------------------------------
 # Two-pass moves: save endangered sources, then move every pair
 
 
@@ -431,7 +708,7 @@ def _two_pass(buffers, tgt, src, *, unit_rows: int, pdl: bool, tiling: MoveTilin
   per_program = max(4, min(tiling.max_items_per_program,
                            tiling.two_pass_smem_bytes // item_bytes) // 4 * 4)
   # Per item (unit j, block s): first source row, first target row (-1: skip), saved?
-  save = _endangered(tgt, src)
+  save = _endangered(tgt, src, tiling.small_t_compare)
   offset = jnp.arange(blocks, dtype=jnp.int32) * item_rows
   item_src = (src[:, None] * unit_rows + offset).reshape(-1)
   item_tgt = jnp.where(tgt[:, None] >= 0, tgt[:, None] * unit_rows + offset, -1).reshape(-1)

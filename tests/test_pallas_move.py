@@ -16,7 +16,11 @@ import pytest
 
 from pallas_kernels.move import MoveTiling, move_pages, move_rows
 
-TWO_PASS = MoveTiling(staged_smem_bytes=0)  # no band fits: token moves take two passes
+TWO_PASS = MoveTiling(token_path="two_pass")
+STAGED = MoveTiling(token_path="staged")
+# Small chunks and ring: several programs per buffer, slots reused within a chunk.
+STREAM_SMALL = MoveTiling(token_path="stream", stream_programs=4096, stream_min_chunk=4,
+                          stream_slots=4, stream_lookahead=2)
 
 
 def make_buffers(rng, rows, plain_layers=2, trio_layers=1):
@@ -91,16 +95,38 @@ def small_buffers():
   return make_buffers(np.random.default_rng(1), rows=256)
 
 
-@pytest.mark.parametrize("tiling", [None, TWO_PASS], ids=["staged", "two_pass"])
+@pytest.mark.parametrize("tiling", [None, STREAM_SMALL, STAGED, TWO_PASS],
+                         ids=["stream", "stream_small", "staged", "two_pass"])
 @pytest.mark.parametrize("count", [1, 7, 40])
 def test_move_rows_matches_model(small_buffers, tiling, count):
-  if tiling is TWO_PASS and count == 1:
+  if tiling is not None and count == 1 or tiling is STAGED and count == 40:
     pytest.skip("covered by the other counts")
   rng = np.random.default_rng(count)
   tgt, src = hostile_pairs(rng, 256, count)
   kwargs = {} if tiling is None else {"tiling": tiling}
   got = jax.jit(lambda b, t, s: move_rows(b, t, s, **kwargs))(small_buffers, tgt, src)
   assert_bits_equal(got, model_move(small_buffers, tgt, src))
+
+
+@pytest.mark.parametrize("tiling", [None, STREAM_SMALL], ids=["stream", "stream_small"])
+def test_move_rows_disjoint_sets(small_buffers, tiling):
+  # No source is a target: the streamed path's one-pass mode (every chunk in parallel).
+  rng = np.random.default_rng(5)
+  perm = rng.permutation(256)
+  tgt, src = perm[:30].astype(np.int32), perm[30:60].astype(np.int32)
+  tgt[3], src[7] = -1, 256  # skipped pairs
+  kwargs = {} if tiling is None else {"tiling": tiling}
+  got = jax.jit(lambda b, t, s: move_rows(b, t, s, **kwargs))(small_buffers, tgt, src)
+  assert_bits_equal(got, model_move(small_buffers, tgt, src))
+
+
+def test_endangered_compare_matches_sort():
+  from pallas_kernels.move import _endangered
+  rng = np.random.default_rng(3)
+  for _ in range(5):
+    tgt = rng.integers(-1, 40, 64).astype(np.int32)
+    src = rng.integers(0, 40, 64).astype(np.int32)
+    np.testing.assert_array_equal(_endangered(tgt, src, 1024), _endangered(tgt, src, 0))
 
 
 def test_move_rows_edge_rows_and_int64_indices(small_buffers):
@@ -129,10 +155,21 @@ def test_move_rows_empty_is_noop(small_buffers):
   assert_bits_equal(got, [np.asarray(b) for b in small_buffers])
 
 
-def test_move_pages_matches_model(small_buffers):
+@pytest.mark.parametrize("tiling", [None, STREAM_SMALL, TWO_PASS],
+                         ids=["stream", "stream_small", "two_pass"])
+def test_move_pages_matches_model(small_buffers, tiling):
   # 256 rows / 16 = 16 pages. Overlapping sets: a rotation 1->2->3->1, a swap, skips.
   tgt = np.array([2, 3, 1, 5, 4, 16, 7, -1, 9], np.int32)
   src = np.array([1, 2, 3, 4, 5, 0, -2, 8, 9], np.int32)
+  kwargs = {} if tiling is None else {"tiling": tiling}
+  got = jax.jit(lambda b, t, s: move_pages(b, t, s, page_size=16, **kwargs))(
+      small_buffers, tgt, src)
+  assert_bits_equal(got, model_move(small_buffers, tgt, src, unit=16))
+
+
+def test_move_pages_disjoint(small_buffers):
+  tgt = np.array([2, 7, 11, 20], np.int32)
+  src = np.array([5, 1, 12, 3], np.int32)
   got = jax.jit(lambda b, t, s: move_pages(b, t, s, page_size=16))(small_buffers, tgt, src)
   assert_bits_equal(got, model_move(small_buffers, tgt, src, unit=16))
 
@@ -174,13 +211,16 @@ def lower_for_cuda(fn, buffers, count):
 
 
 @pytest.mark.parametrize("kind, count, launches", [
-    ("staged", 40, 1), ("two_pass", 40, 2), ("pages", 40, 2), ("pdl", 40, 1)])
+    ("stream", 40, 1), ("staged", 40, 1), ("two_pass", 40, 2), ("pages", 40, 1),
+    ("pages_two_pass", 40, 2), ("pdl", 40, 1)])
 def test_cuda_lowering_aliases_every_buffer(kind, count, launches):
   buffers = make_buffers(np.random.default_rng(0), rows=4096 + 64, plain_layers=3)
   fn = {
-      "staged": move_rows,
+      "stream": move_rows,
+      "staged": lambda b, t, s: move_rows(b, t, s, tiling=STAGED),
       "two_pass": lambda b, t, s: move_rows(b, t, s, tiling=TWO_PASS),
       "pages": lambda b, t, s: move_pages(b, t, s, page_size=64),
+      "pages_two_pass": lambda b, t, s: move_pages(b, t, s, page_size=64, tiling=TWO_PASS),
       "pdl": lambda b, t, s: move_rows(b, t, s, pdl=True),
   }[kind]
   text = lower_for_cuda(fn, buffers, count)
@@ -193,10 +233,11 @@ def test_cuda_lowering_aliases_every_buffer(kind, count, launches):
   assert main.count("tf.aliasing_output") == len(buffers)
 
 
-def test_staged_path_is_chosen_up_to_large_t():
-  # At the DeepSeek-V3 shape the one-launch path holds T=1024 (128-byte bands).
+@pytest.mark.parametrize("count", [4096])
+def test_one_launch_up_to_large_t(count):
+  # At the DeepSeek-V3 shape the streamed one-launch path holds T up to 4096.
   buffers = [jax.ShapeDtypeStruct((2**18 + 64, 1, 576), jnp.bfloat16)] * 61
-  text = lower_for_cuda(move_rows, buffers, 1024)
+  text = lower_for_cuda(move_rows, buffers, count)
   assert text.count("stablehlo.custom_call @mosaic_gpu_v2(") == 1
 
 
@@ -239,7 +280,7 @@ def test_gpu_move_rows_per_token_head(count):
   rng = np.random.default_rng(count)
   buffers = make_buffers(rng, rows=2**16 + 64, plain_layers=0, trio_layers=4)
   tgt, src = hostile_pairs(rng, 2**16 + 64, count)
-  for tiling in (MoveTiling(), TWO_PASS):
+  for tiling in (MoveTiling(), STAGED, TWO_PASS):
     got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=tiling))(buffers, tgt, src)
     assert_bits_equal(got, model_move(buffers, tgt, src))
 
