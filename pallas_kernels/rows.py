@@ -448,9 +448,9 @@ def _set_pth(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, B, pdl, tag=""
     x = plgpu.load(nsm, layout=ln).astype(F32)
     amax = jnp.max(jnp.abs(x), axis=1)
     scale = jnp.maximum(amax, AMAX_FLOOR) * INV_FP8_MAX
-    qsm[...] = common.cast_from_f32(common.true_divide(x, scale, interpret), FP8_E4M3)
+    qsm[...] = common.cast_from_f32(common.true_divide(x, scale, interpret, ln), FP8_E4M3)
     y = plgpu.load(rsm, layout=lr).astype(F32)
-    rosm[...] = common.cast_from_f32(common.true_divide(y, scale, interpret), rope_dtype)
+    rosm[...] = common.cast_from_f32(common.true_divide(y, scale, interpret, lr), rope_dtype)
     ssm[...] = scale
     plgpu.commit_smem()  # fence for the bulk stores + warpgroup barrier for ssm reads
     for i, r in enumerate(rs):

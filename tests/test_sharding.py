@@ -154,9 +154,14 @@ def run_ops(cache, oracle, rng, implementation, tokens=TOKENS):
   return cache
 
 
-@pytest.fixture(scope="module", autouse=True)
-def eight_devices():
-  assert len(jax.devices()) == 8, "tests/conftest.py must force 8 host devices"
+@pytest.fixture(autouse=True)
+def eight_devices(request):
+  if "gpu" in request.keywords:  # the GPU tests build 1-device meshes
+    return
+  if jax.default_backend() == "cpu":
+    assert len(jax.devices()) == 8, "tests/conftest.py must force 8 host devices"
+  elif len(jax.devices()) < 8:
+    pytest.skip(f"needs 8 devices, this {jax.default_backend()} host has {len(jax.devices())}")
 
 
 # Every layout in plain mode; per_token_head (three buffers: fp8, f32, bf16) where the
