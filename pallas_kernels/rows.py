@@ -143,6 +143,27 @@ LEGACY_CONFIG = RowConfig(max_reg_block_tokens=28, target_programs=132, loc_pref
                           chunks=1, reg_fill=False)
 
 
+# Per-T choices measured by benchmarks/sweep_rows.py on one H200 (2026-12-02,
+# benchmarks/results/logs/2026-12-02_sweep_rows.log): (upper bound of T, config).
+TUNED_CONFIGS = {
+    "set": ((64, DEFAULT_CONFIG), (512, LEGACY_CONFIG),
+            (None, dataclasses.replace(DEFAULT_CONFIG, chunks=2))),
+    "get": ((64, DEFAULT_CONFIG), (512, dataclasses.replace(DEFAULT_CONFIG, target_programs=264)),
+            (4096, DEFAULT_CONFIG), (None, dataclasses.replace(DEFAULT_CONFIG, max_block_tokens=16))),
+    "set_per_token_head": ((64, DEFAULT_CONFIG), (512, LEGACY_CONFIG),
+                           (None, dataclasses.replace(DEFAULT_CONFIG, max_reg_block_tokens=4))),
+    "get_per_token_head": ((None, DEFAULT_CONFIG),),
+}
+
+
+def tuned_config(op: str, num_tokens: int) -> RowConfig:
+  """The measured-best RowConfig for `op` at T = num_tokens (the default of every kernel)."""
+  for bound, config in TUNED_CONFIGS[op]:
+    if bound is None or num_tokens <= bound:
+      return config
+  raise AssertionError("unreachable: the last bound is None")
+
+
 def block_tokens(num_tokens: int, max_tokens: int, target_programs: int) -> int:
   """Tokens per program for a call with `num_tokens` tokens (>= 1, <= num_tokens)."""
   b = -(-num_tokens // max(target_programs, 1))
@@ -257,7 +278,7 @@ def set_rows(kv, loc, nope, rope, *, pdl: bool = False, config: RowConfig | None
   fp8 storage saturates at the format's max finite value (NaN stays NaN); all casts are
   round-to-nearest-even through float32. Slots outside [0, rows) are skipped.
   """
-  config = config or DEFAULT_CONFIG
+  config = config or tuned_config("set", int(loc.shape[0]))
   _check_buffer("kv", kv, common.STORAGE_DTYPES)
   _check_loc(loc)
   T = loc.shape[0]
@@ -395,7 +416,7 @@ def set_rows_per_token_head(
   q = clip(nope / scale, -448, 448) -> float8_e4m3fn; rope_stored = (rope / scale) ->
   rope_buf.dtype; true IEEE divisions, round-to-nearest-even; NaN propagates.
   """
-  config = config or DEFAULT_CONFIG
+  config = config or tuned_config("set_per_token_head", int(loc.shape[0]))
   _check_buffer("nope_buf", nope_buf, (FP8_E4M3,))
   _check_buffer("scale_buf", scale_buf, (jnp.dtype(F32),))
   _check_buffer("rope_buf", rope_buf, common.MODEL_DTYPES)
@@ -488,7 +509,7 @@ def get_rows(kv, loc, *, kv_lora_rank: int, dst_dtype, pdl: bool = False,
 
   Out-of-range slots read as zeros. Casts go through float32; an fp8 dst_dtype saturates.
   """
-  config = config or DEFAULT_CONFIG
+  config = config or tuned_config("get", int(loc.shape[0]))
   _check_buffer("kv", kv, common.STORAGE_DTYPES)
   _check_loc(loc)
   rows, W = kv.shape[0], kv.shape[2]
@@ -626,7 +647,7 @@ def get_rows_per_token_head(
 ):
   """Gather and dequantize rows: nope = f32(q) * scale, rope = f32(rope_stored) * scale,
   both cast to dst_dtype (fp8 saturates). Out-of-range slots read as zeros."""
-  config = config or DEFAULT_CONFIG
+  config = config or tuned_config("get_per_token_head", int(loc.shape[0]))
   _check_buffer("nope_buf", nope_buf, (FP8_E4M3,))
   _check_buffer("scale_buf", scale_buf, (jnp.dtype(F32),))
   _check_buffer("rope_buf", rope_buf, common.MODEL_DTYPES)
