@@ -298,7 +298,11 @@ def _move_kv_cache(
   if tgt.shape[0] == 0:
     return cache
   impl = resolve_implementation(implementation)
-  backend = reference if impl == "xla" else _kernels()
+  # Known bug (H200, 2026-12-02, compute-sanitizer): the Mosaic move kernel's path for
+  # 4-byte rows (the per_token_head scale buffer) makes a misaligned shared-memory access;
+  # per_token_head caches move through XLA until it is fixed.
+  use_xla = impl == "xla" or cache.config.quantized
+  backend = reference if use_xla else _kernels()
   return cache.with_flat_buffers(tuple(backend.move_rows(cache.flat_buffers(), tgt, src)))
 
 
@@ -321,7 +325,7 @@ def _move_kv_pages(
   if tgt.shape[0] == 0:
     return cache
   impl = resolve_implementation(implementation)
-  backend = reference if impl == "xla" else _kernels()
+  backend = reference if impl == "xla" or cache.config.quantized else _kernels()  # see move_kv_cache
   moved = backend.move_pages(cache.flat_buffers(), tgt, src, page_size=cache.config.page_size)
   return cache.with_flat_buffers(tuple(moved))
 
