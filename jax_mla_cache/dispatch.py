@@ -279,6 +279,13 @@ def _check_pair(tgt: Any, src: Any, op: str, names=("tgt_loc", "src_loc")):
   return tgt, src
 
 
+def _kernel_moves(cache: MLAKVCache) -> bool:
+  """Whether the move kernels take this cache: the per_token_head scale buffer (4-byte
+  rows) is read in aligned 16-byte windows, so its rows must be a multiple of 4; other
+  sizes move through XLA."""
+  return not cache.config.quantized or cache.config.rows % 4 == 0
+
+
 @functools.partial(jax.jit, static_argnames=("implementation",), donate_argnames=("cache",))
 def _move_kv_cache(
     cache: MLAKVCache,
@@ -298,11 +305,7 @@ def _move_kv_cache(
   if tgt.shape[0] == 0:
     return cache
   impl = resolve_implementation(implementation)
-  # Known bug (H200, 2026-12-02, compute-sanitizer): the Mosaic move kernel's path for
-  # 4-byte rows (the per_token_head scale buffer) makes a misaligned shared-memory access;
-  # per_token_head caches move through XLA until it is fixed.
-  use_xla = impl == "xla" or cache.config.quantized
-  backend = reference if use_xla else _kernels()
+  backend = reference if impl == "xla" or not _kernel_moves(cache) else _kernels()
   return cache.with_flat_buffers(tuple(backend.move_rows(cache.flat_buffers(), tgt, src)))
 
 
@@ -325,7 +328,7 @@ def _move_kv_pages(
   if tgt.shape[0] == 0:
     return cache
   impl = resolve_implementation(implementation)
-  backend = reference if impl == "xla" or cache.config.quantized else _kernels()  # see move_kv_cache
+  backend = reference if impl == "xla" or not _kernel_moves(cache) else _kernels()
   moved = backend.move_pages(cache.flat_buffers(), tgt, src, page_size=cache.config.page_size)
   return cache.with_flat_buffers(tuple(moved))
 

@@ -39,10 +39,10 @@ Design (one Mosaic GPU program never races another because each owns distinct by
   disjoint source and target sets pass 1 moves nothing, so the traffic is one read and one
   write per moved byte; in the worst case (every source is a target) it is two of each.
 * Buffers whose row is not a multiple of 16 bytes (the per_token_head float32 scale, 4 bytes
-  a row) cannot use bulk copies or TMA boxes of one row: their program reads a 16-byte
-  window holding the row through a TMA tensor map (which takes unaligned starts), and
-  writes the single element with a scalar store from shared memory. In page moves a block
-  of rows of such a buffer is a multiple of 16 bytes and uses bulk copies like the others.
+  a row) cannot use bulk copies of one row: their program reads the aligned 16-byte window
+  holding the row (a bulk copy; the buffer's rows must be a multiple of 4) and writes the
+  single element with a scalar store from shared memory. In page moves a block of rows of
+  such a buffer is a multiple of 16 bytes and uses bulk copies like the others.
 
 Buffers enter the kernels as refs (``jax.new_ref`` / ``jax.freeze``), so the kernels alias
 them: under a donating ``jit`` no buffer is copied. On CPU the same kernels run in Mosaic GPU
@@ -209,10 +209,10 @@ def _check_buffers(buffers: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
       raise ValueError(
           f"buffers[{i}]: expected a row of a multiple of {_BULK_ALIGN} bytes or of one "
           f"element, got shape {b.shape} of {b.dtype} ({row_bytes} bytes a row)")
-    if width == 1 and rows < _BULK_ALIGN // b.dtype.itemsize:
+    if width == 1 and rows % _window(b.dtype):
       raise ValueError(
-          f"buffers[{i}]: expected at least {_BULK_ALIGN // b.dtype.itemsize} rows, "
-          f"got {rows}")
+          f"buffers[{i}]: a one-element-row buffer needs a multiple of "
+          f"{_window(b.dtype)} rows (16-byte windows), got {rows}")
   return buffers
 
 
@@ -309,7 +309,14 @@ def _window(dtype) -> int:
 
 
 def _window_start(row, rows: int, window: int):
-  return jnp.minimum(row, rows - window)
+  """First element of the 16-byte-aligned window holding ``row`` (``rows % window == 0``).
+
+  An aligned window is a plain 16-byte bulk copy. (A TMA tensor-map box at an unaligned
+  start would need a 128-byte-aligned shared destination per row: compute-sanitizer
+  flagged the 16-byte-strided slots the first version used.)
+  """
+  del rows
+  return pl.multiple_of(row - row % window, window)
 
 
 def _compiler_params():
@@ -445,7 +452,7 @@ def _move_narrow_rows(buffer, tgt_smem, src_smem, tokens, rows, window):
     @pl.loop(0, tokens)
     def _load_row(i):
       start = _window_start(src_smem[i], rows, window)
-      _load(buffer.at[pl.ds(start, window)], stage.at[i], barrier, narrow=True)
+      _load(buffer.at[pl.ds(start, window)], stage.at[i], barrier)
 
     plgpu.barrier_wait(barrier)
 
@@ -741,12 +748,9 @@ def _stage_type(view, narrow: bool, per_program: int, item_rows: int):
   return plgpu.SMEM((per_program, item_rows, *view.shape[1:]), view.dtype)
 
 
-def _load(gmem, smem, barrier, *, narrow: bool = False):
-  """Async copy into shared memory: a bulk copy, or a TMA box for a narrow window."""
-  # A narrow window starts at any element, which only a TMA tensor map allows; the default
-  # (zero-filling) mode selects one. Everything else is contiguous and 16-byte aligned.
-  oob_mode = None if narrow else plgpu.OOBFillMode.PROMISE_IN_BOUNDS
-  plgpu.copy_gmem_to_smem(gmem, smem, barrier, oob_mode=oob_mode)
+def _load(gmem, smem, barrier):
+  """Async bulk copy into shared memory (contiguous, 16-byte aligned, in bounds)."""
+  plgpu.copy_gmem_to_smem(gmem, smem, barrier, oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
 
 
 def _load_indices(pairs, barrier):
@@ -786,7 +790,7 @@ def _save_endangered(interpret, views, item_src, item_save, *, narrow, num_items
           @pl.when(save_smem[i] != 0)
           def _():
             _load(_source(source, n, src_smem[i], item_rows, rows), stage.at[i],
-                  barriers.at[i], narrow=n)
+                  barriers.at[i])
 
         @pl.loop(0, per_program)
         def _(i):
@@ -851,7 +855,7 @@ def _move_items(refs, item_src, item_tgt, item_save, temps, *, narrow, num_items
           @pl.when(moved & jnp.logical_not(from_temp))
           def _():
             _load(_source(buffer, n, src_smem[i], item_rows, rows), stage.at[i],
-                  barriers.at[i], narrow=n)
+                  barriers.at[i])
 
         @pl.loop(0, per_program)
         def _(i):

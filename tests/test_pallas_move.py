@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_mla_cache as mc
+
 from pallas_kernels.move import MoveTiling, move_pages, move_rows
 
 TWO_PASS = MoveTiling(token_path="two_pass")
@@ -199,6 +201,30 @@ def test_move_rows_rejects_mismatched_rows(small_buffers):
               np.zeros(1, np.int32))
 
 
+def test_move_rows_rejects_scale_rows_not_multiple_of_four():
+  # A one-element-row buffer is read in aligned 16-byte windows.
+  scale = np.zeros((258, 1, 1), np.float32)
+  with pytest.raises(ValueError, match="multiple of 4 rows"):
+    move_rows([scale], np.zeros(1, np.int32), np.zeros(1, np.int32))
+
+
+def test_dispatch_moves_odd_row_quantized_cache_through_xla(rng):
+  # rows = 206: not a multiple of 4, so per_token_head moves take the XLA path (same result).
+  cfg = mc.SMALL.replace(size=206 - mc.SMALL.page_size, dtype=jnp.float8_e4m3fn,
+                         quant_method="per_token_head", layer_num=1)
+  assert cfg.rows % 4
+  cache = mc.init_cache(cfg)
+  loc = jnp.arange(8, dtype=jnp.int32) + cfg.page_size
+  cache = mc.set_mla_kv_buffer(cache, 0, loc, jnp.asarray(rng.standard_normal((8, 1, 512)),
+                                                          jnp.bfloat16),
+                               jnp.asarray(rng.standard_normal((8, 1, 64)), jnp.bfloat16),
+                               implementation="xla")
+  expected = jax.device_get(mc.move_kv_cache(jax.tree.map(jnp.copy, cache), loc[::-1], loc,
+                                             implementation="xla"))
+  got = jax.device_get(mc.move_kv_cache(cache, loc[::-1], loc, implementation="pallas"))
+  assert_bits_equal(jax.tree.leaves(got), jax.tree.leaves(expected))
+
+
 # ---------------------------------------------------------------------------------------
 # Deviceless CUDA lowering: the real kernels lower and alias every buffer
 
@@ -275,11 +301,14 @@ def test_gpu_move_rows_61_layers(gpu_buffers, count):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("count", [7, 256])
+@pytest.mark.parametrize("count", [7, 256, 4096])
 def test_gpu_move_rows_per_token_head(count):
   rng = np.random.default_rng(count)
-  buffers = make_buffers(rng, rows=2**16 + 64, plain_layers=0, trio_layers=4)
-  tgt, src = hostile_pairs(rng, 2**16 + 64, count)
+  rows = 2**16 + 64
+  buffers = make_buffers(rng, rows=rows, plain_layers=0, trio_layers=4)
+  tgt, src = hostile_pairs(rng, rows, count)
+  tgt, src = np.array(tgt), np.array(src)
+  src[np.flatnonzero((tgt >= 0) & (tgt < rows))[:1]] = rows - 1  # the last aligned scale window
   for tiling in (MoveTiling(), STAGED, TWO_PASS):
     got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=tiling))(buffers, tgt, src)
     assert_bits_equal(got, model_move(buffers, tgt, src))
