@@ -122,13 +122,19 @@ def test_move_rows_disjoint_sets(small_buffers, tiling):
   assert_bits_equal(got, model_move(small_buffers, tgt, src))
 
 
-def test_endangered_compare_matches_sort():
+def test_endangered_compare_matches_counts():
+  # The all-pairs compare (small T) and the writer counts (large T) against a direct loop;
+  # duplicate targets, self-moves (tgt == src) and skipped pairs (tgt = -1) included.
   from pallas_kernels.move import _endangered
   rng = np.random.default_rng(3)
   for _ in range(5):
     tgt = rng.integers(-1, 40, 64).astype(np.int32)
     src = rng.integers(0, 40, 64).astype(np.int32)
-    np.testing.assert_array_equal(_endangered(tgt, src, 1024), _endangered(tgt, src, 0))
+    src[:4] = np.where(tgt[:4] >= 0, tgt[:4], src[:4])
+    want = [int(t >= 0 and any(tgt[i] == s for i in range(64) if i != j))
+            for j, (t, s) in enumerate(zip(tgt, src))]
+    np.testing.assert_array_equal(_endangered(tgt, src, 40, 1024), want)
+    np.testing.assert_array_equal(_endangered(tgt, src, 40, 0), want)
 
 
 def test_move_rows_edge_rows_and_int64_indices(small_buffers):
