@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--breakdown", action="store_true", help="print device time per kernel")
   parser.add_argument("--tokens", default=None, help="comma list overriding T for set/get")
   parser.add_argument("--move-tokens", default=None, help="comma list overriding T for moves")
+  parser.add_argument("--pages", default=None,
+                      help="comma list overriding the page counts of move_pages ('' for none)")
   args = parser.parse_args(argv)
 
   device = jax.devices()[0]
@@ -276,6 +278,8 @@ def main(argv: list[str] | None = None) -> dict:
     set_tokens = tuple(int(t) for t in args.tokens.split(","))
   if args.move_tokens:
     move_tokens = tuple(int(t) for t in args.move_tokens.split(","))
+  if args.pages is not None:
+    page_counts = tuple(int(p) for p in args.pages.split(",") if p)
   records: list[Record] = []
   methods: set[str] = set()
 
