@@ -568,6 +568,10 @@ def load_cpu_copy(
   _check_sharded(cache, op)
   idx = offload._as_indices(token_indices, "token_indices", op)
   layout, storage = cache.layout, cache.cache
+  if isinstance(host_copy, offload.HostCopy) and host_copy.stacked:
+    raise ValueError(
+        f"{op}: this host copy came from the one-device get_cpu_copy (stacked layers); a "
+        "sharded cache loads copies made by jax_mla_cache.sharding.get_cpu_copy")
   offload.check_host_copy(storage, host_copy, idx, op)
   if idx.shape[0] == 0:
     return cache

@@ -196,7 +196,8 @@ print("fresh buffer after the update:", pool.get_key_buffer(0).shape)
 
 `get_cpu_copy(token_indices)` copies those rows of every layer and buffer to host memory (the
 `pinned_host` memory kind where the device has one), in chunks of `offload_chunk_page_num`
-tokens; it returns at once and blocks when read. `load_cpu_copy` writes such a copy back into the
+tokens, one transfer per chunk and buffer kind for all layers; it returns at once and blocks
+when read. `load_cpu_copy` writes such a copy back into the
 same or other rows. The round trip is bit-exact: raw stored bytes, fp8 codes and scales included.
 """),
     code('''
@@ -209,9 +210,9 @@ for layer in range(2):
                                jnp.asarray(rng.standard_normal((10, 1, 64)), jnp.bfloat16))
 
 host = fp8_pool.get_cpu_copy(src).block_until_ready()
-leaf = host[0][0][0]                                 # layer 0, chunk 0, nope buffer
+# one host array per chunk and buffer kind, all layers stacked: (layers, tokens, 1, width)
 print(f"host copy: {len(host)} layers x {len(host[0])} chunks, {host.nbytes:,} bytes, "
-      f"memory kind {leaf.sharding.memory_kind!r}")
+      f"memory kind {host.memory_kind!r}, chunk 0 arrays {[x.shape for x in host.stacked[0]]}")
 
 dst = np.arange(120, 130, dtype=np.int32)
 fp8_pool.load_cpu_copy(host, dst)

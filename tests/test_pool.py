@@ -106,10 +106,16 @@ def test_offload_round_trip_bit_exact(quant, rng):
   before = jax.tree.map(np.asarray, pool.cache)
   src = list(range(20, 30))
   host = pool.get_cpu_copy(src)
-  assert [len(host[layer]) for layer in range(3)] == [3, 3, 3]
+  assert len(host) == 3 and [len(host[layer]) for layer in range(3)] == [3, 3, 3]
   assert [c[0].shape[0] for c in host[0]] == [4, 4, 2]
+  # one array per chunk and buffer kind, holding every layer
+  assert [x.shape for x in host.stacked[0]] == [
+      (3, 4, *shape[1:]) for shape, _ in pool.config.buffer_shapes()]
+  for layer in range(3):   # the seed's view: copy[layer][chunk][buffer]
+    for b, full in zip(host[layer][1], (np.asarray(x) for x in pool.cache.layer(layer))):
+      np.testing.assert_array_equal(b.view(np.uint8), full[24:28].view(np.uint8))
   if mc.offload.host_memory_kind() is not None:
-    assert host[0][0][0].sharding.memory_kind == "pinned_host"
+    assert host.memory_kind == "pinned_host"
   dst = list(range(100, 110))
   pool.load_cpu_copy(host, dst)
   after = jax.tree.map(np.asarray, pool.cache)
@@ -119,8 +125,10 @@ def test_offload_round_trip_bit_exact(quant, rng):
   # the functional API: a HostCopy pytree
   copy = mc.get_cpu_copy(pool.cache, jnp.arange(20, 30), chunk_size=4)
   assert jax.tree.structure(copy) == jax.tree.structure(host)
-  # recycling a previous copy's host buffers gives the same bytes
-  again = pool.get_cpu_copy(src, reuse=pool.get_cpu_copy(src))
+  # recycling a previous copy's host buffers gives the same bytes and consumes it
+  old = pool.get_cpu_copy(src)
+  again = pool.get_cpu_copy(src, reuse=old)
+  assert all(x.is_deleted() for x in jax.tree.leaves(old))
   for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(host)):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
   with pytest.raises(ValueError, match="reuse must be a HostCopy of 3 tokens"):
