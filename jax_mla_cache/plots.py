@@ -51,6 +51,28 @@ def _ceiling(results: dict[str, Any], op: str) -> tuple[float | None, str]:
   return results.get("copy_gbps"), "device copy"
 
 
+def _bars(ax, results: dict[str, Any], op: str, op_records: list[dict[str, Any]]) -> None:
+  """One bar per implementation, labelled with GB/s and the share of the copy ceiling."""
+  ceiling, ceiling_label = _ceiling(results, op)
+  names = [r["impl"] for r in op_records]
+  values = [r["gbps"] for r in op_records]
+  bars = ax.bar(range(len(values)), values, color="tab:orange")
+  for bar, value in zip(bars, values):
+    share = f"\n{100 * value / ceiling:.0f}%" if ceiling else ""
+    ax.annotate(f"{value:.1f}{share}", (bar.get_x() + bar.get_width() / 2, value),
+                ha="center", va="bottom", fontsize=8)
+  if ceiling:
+    ax.axhline(ceiling, color="gray", linestyle="--", label=f"{ceiling_label} {ceiling:,.1f} GB/s")
+    ax.legend(fontsize=8, loc="lower right")
+  ax.set_xticks(range(len(names)), names, fontsize=8)
+  t, layers = op_records[0]["T"], op_records[0].get("layers", 1)
+  ax.set_xlabel(f"T = {t} tokens x {layers} layers")
+  ax.set_ylabel("GB/s")
+  ax.set_ylim(0, 1.25 * max(values + [ceiling or 0]))
+  ax.set_title(OP_TITLES.get(op, op), fontsize=10)
+  ax.grid(True, axis="y", alpha=0.3)
+
+
 def plot_results(results: dict[str, Any], path: str | None = None) -> Figure:
   """GB/s vs T per op, one line per implementation, copy bandwidth dashed.
 
@@ -72,6 +94,9 @@ def plot_results(results: dict[str, Any], path: str | None = None) -> Figure:
     axes[0].text(0.5, 0.5, "no records", ha="center", va="center", transform=axes[0].transAxes)
   for ax, op in zip(axes, ops):
     op_records = [r for r in records if r["op"] == op]
+    if len({r["T"] for r in op_records}) == 1:  # one size (host copies): bars, not a point
+      _bars(ax, results, op, op_records)
+      continue
     layer_counts = sorted({r.get("layers", 1) for r in op_records})
     for impl in sorted({r["impl"] for r in op_records}):
       for layers in layer_counts:
