@@ -51,7 +51,9 @@ TOKEN_VARIANTS = {
     "xla": None,
 }
 SMALL_T_VARIANTS = ("default", "stream_p4096", "staged_old", "two_pass", "xla")
-PTH_VARIANTS = ("default", "stream_p4096", "staged_old", "two_pass", "xla")
+PTH_VARIANTS = ("default", "narrow_first", "stream_p4096", "staged_old", "two_pass", "xla")
+# Variants that only differ with one-element rows (per_token_head scales).
+PTH_ONLY_VARIANTS = {"narrow_first": T(stream_narrow_first=True)}
 OVL_VARIANTS = ("default", "two_pass", "xla")
 PAGE_VARIANTS = {
     "default": DEFAULT,
@@ -226,7 +228,7 @@ def main(argv=None):
     pth_t = ()
 
   def pick(names):
-    return {k: TOKEN_VARIANTS[k] for k in names}
+    return {k: (TOKEN_VARIANTS | PTH_ONLY_VARIANTS)[k] for k in names}
 
   cache = mc.init_cache(cfg) if (move_t or ovl_t or pages) else None
   # Random contents, so a wrong row cannot pass as zeros (one fused kernel per layer).

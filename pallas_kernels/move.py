@@ -87,7 +87,10 @@ class MoveTiling:
       this many bytes (one bulk copy each).
     stream_ring_bytes: page moves: cap on a program's ring (slots x block bytes).
     small_t_compare: up to this T, endangered sources come from an O(T^2) compare
-      (one fused XLA kernel) instead of a sort.
+      (one fused XLA kernel) instead of writer counts.
+    stream_narrow_first: streamed path: give the one-element-row programs (per_token_head
+      scales) the first program ids, so they start in the first wave rather than after
+      the wide programs (untimed variant, off by default until the H200 measures it).
   """
 
   staged_smem_bytes: int = 160 * 1024
@@ -105,6 +108,7 @@ class MoveTiling:
   stream_item_bytes: int = 8 * 1024
   stream_ring_bytes: int = 72 * 1024
   small_t_compare: int = 1024
+  stream_narrow_first: bool = False
 
 
 DEFAULT_TILING = MoveTiling()
@@ -608,12 +612,14 @@ def _stream(buffers, tgt, src, *, splan: _StreamPlan, pdl: bool, tiling: MoveTil
   # "Any source endangered" as 4 partial maxima (one 16-byte load; the kernel ORs them).
   flag = jnp.max(save.reshape(_BULK_ALIGN // 4, -1), axis=1)
   run = functools.partial(_stream_move, splan=splan, pdl=pdl,
+                          narrow_first=tiling.stream_narrow_first,
                           slots=tiling.stream_slots,
                           lookahead=min(tiling.stream_lookahead, tiling.stream_slots - 1))
   return _on_platform(functools.partial(_in_place, run), buffers, tgt, src, save, flag)
 
 
-def _stream_move(refs, tgt, src, save, flag, *, splan, pdl, slots, lookahead, interpret):
+def _stream_move(refs, tgt, src, save, flag, *, splan, pdl, slots, lookahead, interpret,
+                 narrow_first=False):
   chunk, chunks, tokens = splan.chunk, splan.chunks, splan.tokens
   rows = refs[0].shape[0]
   num_wide_jobs = len(splan.wide) * chunks
@@ -629,8 +635,16 @@ def _stream_move(refs, tgt, src, save, flag, *, splan, pdl, slots, lookahead, in
     if pdl:
       plgpu.griddepcontrol_wait()
     job = jax.lax.axis_index("job")
-    is_wide = job < num_wide_jobs
-    part = job % chunks
+    num_narrow = len(splan.narrow)
+    if narrow_first:  # narrow programs 0..num_narrow-1, then the wide ones
+      is_wide = job >= num_narrow
+      wide_job = jnp.maximum(job - num_narrow, 0)
+      narrow_job = job
+    else:
+      is_wide = job < num_wide_jobs
+      wide_job = job
+      narrow_job = job - num_wide_jobs
+    part = wide_job % chunks
     first = part * chunk
     # The flag and this program's chunk of indices in one round trip; all indices only when
     # needed (some source endangered, or a one-element-row program).
@@ -646,13 +660,13 @@ def _stream_move(refs, tgt, src, save, flag, *, splan, pdl, slots, lookahead, in
       _load_indices([(tgt_gmem, tgt_smem), (src_gmem, src_smem), (save_gmem, save_smem)],
                     all_barrier)
 
-    which = job // chunks
+    which = wide_job // chunks
     for w, (k, temp) in enumerate(zip(splan.wide, temps)):
       pl.when(is_wide & (which == w))(functools.partial(
           _stream_wide, buffers[k], temp, tgt_smem, src_smem, save_smem, safe, part,
           chunk=chunk, chunks=chunks, slots=slots, lookahead=lookahead))
     for n, k in enumerate(splan.narrow):
-      pl.when(job == num_wide_jobs + n)(functools.partial(
+      pl.when(jnp.logical_not(is_wide) & (narrow_job == n))(functools.partial(
           _move_narrow_rows, buffers[k], tgt_smem, src_smem, tokens, rows,
           _window(buffers[k].dtype), interpret=interpret))
 

@@ -20,6 +20,8 @@ from pallas_kernels.move import MoveTiling, move_pages, move_rows
 
 TWO_PASS = MoveTiling(token_path="two_pass")
 STAGED = MoveTiling(token_path="staged")
+NARROW_FIRST = MoveTiling(token_path="stream", stream_programs=4096, stream_min_chunk=4,
+                          stream_narrow_first=True)
 # Small chunks and ring: several programs per buffer, slots reused within a chunk.
 STREAM_SMALL = MoveTiling(token_path="stream", stream_programs=4096, stream_min_chunk=4,
                           stream_slots=4, stream_lookahead=2)
@@ -97,11 +99,11 @@ def small_buffers():
   return make_buffers(np.random.default_rng(1), rows=256)
 
 
-@pytest.mark.parametrize("tiling", [None, STREAM_SMALL, STAGED, TWO_PASS],
-                         ids=["stream", "stream_small", "staged", "two_pass"])
+@pytest.mark.parametrize("tiling", [None, STREAM_SMALL, NARROW_FIRST, STAGED, TWO_PASS],
+                         ids=["stream", "stream_small", "narrow_first", "staged", "two_pass"])
 @pytest.mark.parametrize("count", [1, 7, 40])
 def test_move_rows_matches_model(small_buffers, tiling, count):
-  if tiling is not None and count == 1 or tiling is STAGED and count == 40:
+  if tiling is not None and count == 1 or tiling in (STAGED, NARROW_FIRST) and count == 40:
     pytest.skip("covered by the other counts")
   rng = np.random.default_rng(count)
   tgt, src = hostile_pairs(rng, 256, count)
@@ -244,7 +246,7 @@ def lower_for_cuda(fn, buffers, count):
 
 @pytest.mark.parametrize("kind, count, launches", [
     ("stream", 40, 1), ("staged", 40, 1), ("two_pass", 40, 2), ("pages", 40, 1),
-    ("pages_two_pass", 40, 2), ("pdl", 40, 1)])
+    ("pages_two_pass", 40, 2), ("pdl", 40, 1), ("narrow_first", 40, 1)])
 def test_cuda_lowering_aliases_every_buffer(kind, count, launches):
   buffers = make_buffers(np.random.default_rng(0), rows=4096 + 64, plain_layers=3)
   fn = {
@@ -254,6 +256,7 @@ def test_cuda_lowering_aliases_every_buffer(kind, count, launches):
       "pages": lambda b, t, s: move_pages(b, t, s, page_size=64),
       "pages_two_pass": lambda b, t, s: move_pages(b, t, s, page_size=64, tiling=TWO_PASS),
       "pdl": lambda b, t, s: move_rows(b, t, s, pdl=True),
+      "narrow_first": lambda b, t, s: move_rows(b, t, s, tiling=NARROW_FIRST),
   }[kind]
   text = lower_for_cuda(fn, buffers, count)
   assert text.count("stablehlo.custom_call @mosaic_gpu_v2(") == launches
@@ -315,7 +318,7 @@ def test_gpu_move_rows_per_token_head(count):
   tgt, src = hostile_pairs(rng, rows, count)
   tgt, src = np.array(tgt), np.array(src)
   src[np.flatnonzero((tgt >= 0) & (tgt < rows))[:1]] = rows - 1  # the last aligned scale window
-  for tiling in (MoveTiling(), STAGED, TWO_PASS):
+  for tiling in (MoveTiling(), MoveTiling(stream_narrow_first=True), STAGED, TWO_PASS):
     got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=tiling))(buffers, tgt, src)
     assert_bits_equal(got, model_move(buffers, tgt, src))
 
