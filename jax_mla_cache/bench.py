@@ -236,6 +236,22 @@ def bench_offload(cfg: mc.MLACacheConfig, tokens: int, iters: int, report) -> di
   return result
 
 
+def source_hash() -> str:
+  """sha256 (12 hex) of the package and kernel sources: identifies the code that ran even
+  where the checkout's git metadata is older than its files (a copied working tree)."""
+  import hashlib
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  digest = hashlib.sha256()
+  for pkg in ("jax_mla_cache", "pallas_kernels"):
+    for dirpath, _, files in sorted(os.walk(os.path.join(root, pkg))):
+      for name in sorted(f for f in files if f.endswith(".py")):
+        path = os.path.join(dirpath, name)
+        digest.update(os.path.relpath(path, root).encode())
+        with open(path, "rb") as f:
+          digest.update(f.read())
+  return digest.hexdigest()[:12]
+
+
 def _commit() -> str:
   try:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -321,6 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
       "device": device.device_kind,
       "jax": jax.__version__,
       "commit": _commit(),
+      "source_hash": source_hash(),
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "method": ("device time per call from jax.profiler trace (sum of GPU kernel/memcpy events / calls)"
                  if "profiler" in methods else "wall clock per call after block_until_ready")
