@@ -42,23 +42,48 @@ def cast_to_storage(x: jax.Array, dtype) -> jax.Array:
 def _true_divide(x: jax.Array, per_row: jax.Array) -> jax.Array:
   """`x / per_row` as a correctly rounded IEEE f32 division of every element.
 
-  Two XLA behaviours stand in the way of a plain `x / y`: XLA:GPU emits the approximate
-  `div.full.f32` (up to 2 ulp off; measured on the H200 it changed ~0.1% of the bf16
-  ropes against the seed's PyTorch division), and XLA's algebraic simplifier rewrites
-  `x / broadcast(y)` into `x * broadcast(1/y)`. So the quotient is taken in float64 (an
-  IEEE `div.rn.f64` everywhere) and rounded once to f32 — exact, since a double-precision
-  quotient rounded to single equals the correctly rounded single quotient (53 >= 2*24+2
-  bits) — with the broadcast divisor behind an optimization barrier.
+  Three XLA behaviours stand in the way of a plain `x / y`: XLA:GPU emits the approximate
+  `div.full.f32` (up to 2 ulp off), XLA's algebraic simplifier rewrites `x / broadcast(y)`
+  into `x * broadcast(1/y)`, and XLA:GPU elides intermediate narrowing casts
+  (openxla/xla#41605), so `f64 -> f32 -> bf16` becomes one `f64 -> bf16` rounding. So the
+  quotient is taken in float64 (an IEEE `div.rn.f64` everywhere; exact enough, since a
+  double-precision quotient rounded to single equals the correctly rounded single quotient,
+  53 >= 2*24+2 bits), the broadcast divisor sits behind an optimization barrier, and the
+  rounding to f32 is done on the bits (:func:`_round_to_f32`), which no pass can elide.
 
-  Known gap (H200, 2026-12-02): on the GPU this path still differs from the seed's PyTorch
-  bytes in ~0.05% of stored bf16 ropes (one ulp); the Pallas kernel matches them exactly.
-  The cause is not found yet (on CPU the compiled HLO keeps the f64 division).
+  Measured on the H200 before the bit rounding: ~0.05-0.1% of stored bf16 ropes one ulp
+  off the seed's PyTorch bytes (always the single-rounding neighbour of a bf16 tie).
   """
   divisor = lax.optimization_barrier(jnp.broadcast_to(per_row, x.shape))
   with jax.enable_x64(True):
     wide = lax.div(lax.convert_element_type(x, jnp.float64),
                    lax.convert_element_type(divisor, jnp.float64))
-    return lax.convert_element_type(wide, jnp.float32)
+    return _round_to_f32(wide)
+
+
+def _round_to_f32(wide: jax.Array) -> jax.Array:
+  """float64 -> float32, round to nearest even, computed on the bit patterns.
+
+  Normal f32 results (and overflow to inf) come from integer arithmetic on the f64 bits;
+  zeros, NaN, infinities and f32-subnormal results use the plain conversion.
+  Call under ``jax.enable_x64(True)``.
+  """
+  u64 = jnp.uint64
+  bits = lax.bitcast_convert_type(wide, u64)
+  sign = bits >> u64(63)
+  exponent = (bits >> u64(52)) & u64(0x7FF)
+  mantissa = bits & u64((1 << 52) - 1)
+  keep = mantissa >> u64(29)
+  rest = mantissa & u64((1 << 29) - 1)
+  half = u64(1 << 28)
+  round_up = (rest > half) | ((rest == half) & ((keep & u64(1)) == u64(1)))
+  # f32 normal exponents 1..254 are f64 exponents 897..1150; a mantissa carry bumps the
+  # exponent (254 + carry = 255 with a zero mantissa: inf, the correct RNE overflow).
+  normal = (exponent >= u64(897)) & (exponent <= u64(1150))
+  magnitude = (jnp.where(normal, exponent - u64(896), u64(0)) << u64(23)) + keep + round_up.astype(u64)
+  rounded = lax.bitcast_convert_type(
+      ((sign << u64(31)) | magnitude).astype(jnp.uint32), jnp.float32)
+  return jnp.where(normal, rounded, lax.convert_element_type(wide, jnp.float32))
 
 
 def quantize_per_token_head(

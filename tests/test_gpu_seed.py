@@ -30,9 +30,10 @@ def seed_quantize(nope_f32: np.ndarray, rope_f32: np.ndarray):
 
 @pytest.mark.parametrize("implementation", [
     pytest.param("xla", marks=pytest.mark.xfail(
-        strict=True, reason="known gap: on the H200 the XLA path's stored bf16 ropes differ from "
-        "the seed's in ~0.05-0.1% of elements by one ulp (scales and fp8 codes equal); the "
-        "Pallas kernel is bit-exact. Cause not found yet (see reference._true_divide).")),
+        strict=False, reason="measured on the H200 (2026-12-02) before reference._round_to_f32: "
+        "the XLA path's stored bf16 ropes differed from the seed's in ~0.05-0.1% of elements by "
+        "one ulp (XLA:GPU elides the f32 step of f64->f32->bf16); the bit-level rounding that "
+        "should close it has not run on a GPU yet")),
     "pallas"])
 def test_per_token_head_bytes_equal_seed_torch(implementation):
   cfg = mc.DEEPSEEK_V3_FP8.replace(size=65536 - 64, layer_num=1)
