@@ -219,14 +219,15 @@ def _get_stacked(cache: MLAKVCache, idx: jax.Array, chunk_size: int, memory_kind
                   stacked=stacked)
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _scatter_stacked(cache: MLAKVCache, stacked, idx: jax.Array) -> MLAKVCache:
-  bounds = _chunk_bounds(idx.shape[0], stacked[0][0].shape[1])
+@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("start", "stop"))
+def _scatter_stacked_chunk(cache: MLAKVCache, kinds, idx: jax.Array, start: int,
+                           stop: int) -> MLAKVCache:
+  """One chunk of a stacked copy (per kind (layer_num, n, 1, width)) into rows idx[start:stop]."""
+  loc = idx[start:stop]
   new = [list(layer) for layer in cache.buffers]
-  for (s, e), kinds in zip(bounds, stacked):
-    for k, rows in enumerate(kinds):
-      for layer_id, layer in enumerate(new):
-        layer[k] = reference.scatter_rows(layer[k], idx[s:e], rows[layer_id])
+  for k, rows in enumerate(kinds):
+    for layer_id, layer in enumerate(new):
+      layer[k] = reference.scatter_rows(layer[k], loc, rows[layer_id])
   return dataclasses.replace(cache, buffers=tuple(tuple(layer) for layer in new))
 
 
@@ -262,10 +263,15 @@ def load_cpu_copy(
   if idx.shape[0] == 0:
     return cache
   if host_copy.stacked:
-    # The host-to-device copy as its own asynchronous transfer (the copy engine's rate),
-    # then one jitted scatter of every layer into the donated cache.
-    rows = jax.device_put(host_copy.stacked, cache.buffers[0][0].sharding)
-    return _scatter_stacked(cache, rows, idx)
+    # Every chunk's host-to-device transfer is issued first (asynchronous, at the copy
+    # engine's rate), then one donated scatter per chunk: the scatter of chunk k waits only
+    # for its own transfer, so it runs while the later chunks are still in flight.
+    sharding = cache.buffers[0][0].sharding
+    chunks = [jax.device_put(kinds, sharding) for kinds in host_copy.stacked]
+    bounds = _chunk_bounds(int(idx.shape[0]), host_copy.chunk_size)
+    for (start, stop), kinds in zip(bounds, chunks):
+      cache = _scatter_stacked_chunk(cache, kinds, idx, start=start, stop=stop)
+    return cache
   return _scatter_chunks(cache, host_copy.chunks, idx)
 
 
