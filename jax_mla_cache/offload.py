@@ -167,7 +167,7 @@ def get_cpu_copy(
           f"{len(cache.buffers)} layers, got {reuse if not isinstance(reuse, HostCopy) else (reuse.token_count, reuse.chunk_size, len(reuse))}"
       )
   if len(devices) == 1:
-    return _get_stacked(cache, idx, chunk_size, memory_kind, reuse)
+    return _get_stacked(cache, idx, chunk_size, next(iter(devices)), memory_kind, reuse)
   # Where the gathered rows land: the buffers' sharding, moved to host memory.
   out_shardings = tuple(
       tuple(tuple(_host_sharding(buf, memory_kind) for buf in layer)
@@ -197,8 +197,8 @@ def _gather_stacked(cache: MLAKVCache, idx: jax.Array, chunk_size: int):
   )
 
 
-def _get_stacked(cache: MLAKVCache, idx: jax.Array, chunk_size: int, memory_kind: str | None,
-                 reuse: HostCopy | None) -> HostCopy:
+def _get_stacked(cache: MLAKVCache, idx: jax.Array, chunk_size: int, device: Any,
+                 memory_kind: str | None, reuse: HostCopy | None) -> HostCopy:
   """One device: gather every layer's rows of a chunk into one array per buffer kind, then
   one asynchronous `device_put` of all of them to `memory_kind`.
 
@@ -212,7 +212,6 @@ def _get_stacked(cache: MLAKVCache, idx: jax.Array, chunk_size: int, memory_kind
     for leaf in jax.tree.leaves((reuse.chunks, reuse.stacked)):
       leaf.delete()
   if memory_kind is not None:
-    device = next(iter(cache.buffers[0][0].devices()))
     stacked = jax.device_put(
         stacked, jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind))
   return HostCopy(chunks=(), token_count=int(idx.shape[0]), chunk_size=chunk_size,

@@ -314,14 +314,14 @@ def _window(dtype) -> int:
   return _BULK_ALIGN // jnp.dtype(dtype).itemsize
 
 
-def _window_start(row, rows: int, window: int):
-  """First element of the 16-byte-aligned window holding ``row`` (``rows % window == 0``).
+def _window_start(row, window: int):
+  """First element of the 16-byte-aligned window holding ``row`` (the buffer's rows are a
+  multiple of ``window``, checked in :func:`_check_buffers`).
 
   An aligned window is a plain 16-byte bulk copy. (A TMA tensor-map box at an unaligned
   start would need a 128-byte-aligned shared destination per row: compute-sanitizer
   flagged the 16-byte-strided slots the first version used.)
   """
-  del rows
   return pl.multiple_of(row - row % window, window)
 
 
@@ -394,7 +394,6 @@ def _staged_plan(buffers, num_tokens: int, tiling: MoveTiling):
 
 def _staged_move(refs, tgt, src, *, plan, num_jobs, pdl, interpret):
   tokens = tgt.shape[0]
-  rows = refs[0].shape[0]
 
   def body(tgt_gmem, src_gmem, *rest):
     buffers = rest[:len(refs)]
@@ -407,7 +406,7 @@ def _staged_move(refs, tgt, src, *, plan, num_jobs, pdl, interpret):
       mine = (job >= bands.first_job) & (job < bands.first_job + bands.num_bands)
       if bands.narrow:
         pl.when(mine)(functools.partial(
-            _move_narrow_rows, buffer, tgt_smem, src_smem, tokens, rows, bands.band,
+            _move_narrow_rows, buffer, tgt_smem, src_smem, tokens, bands.band,
             interpret=interpret))
       else:
         pl.when(mine)(functools.partial(
@@ -452,7 +451,7 @@ def _move_band_rows(buffer, tgt_smem, src_smem, tokens, column, band):
                 plgpu.Barrier(num_arrivals=tokens))
 
 
-def _move_narrow_rows(buffer, tgt_smem, src_smem, tokens, rows, window, *, interpret):
+def _move_narrow_rows(buffer, tgt_smem, src_smem, tokens, window, *, interpret):
   """Moves one-element rows: aligned 16-byte windows in, then the single elements out.
 
   Every source window is loaded (one bulk copy each, all in flight together) before any
@@ -464,7 +463,7 @@ def _move_narrow_rows(buffer, tgt_smem, src_smem, tokens, rows, window, *, inter
   def scoped(stage, barrier):
     @pl.loop(0, tokens)
     def _load_row(i):
-      start = _window_start(src_smem[i], rows, window)
+      start = _window_start(src_smem[i], window)
       _load(buffer.at[pl.ds(start, window)], stage.at[i], barrier)
 
     plgpu.barrier_wait(barrier)
@@ -479,7 +478,7 @@ def _move_narrow_rows(buffer, tgt_smem, src_smem, tokens, rows, window, *, inter
 
       @pl.when(row >= 0)
       def _():
-        buffer[row] = stage[i, source - _window_start(source, rows, window)]
+        buffer[row] = stage[i, source - _window_start(source, window)]
 
   pl.run_scoped(scoped, plgpu.SMEM((tokens, window), buffer.dtype),
                 plgpu.Barrier(num_arrivals=tokens))
@@ -621,7 +620,6 @@ def _stream(buffers, tgt, src, *, splan: _StreamPlan, pdl: bool, tiling: MoveTil
 def _stream_move(refs, tgt, src, save, flag, *, splan, pdl, slots, lookahead, interpret,
                  narrow_first=False):
   chunk, chunks, tokens = splan.chunk, splan.chunks, splan.tokens
-  rows = refs[0].shape[0]
   num_wide_jobs = len(splan.wide) * chunks
   num_jobs = num_wide_jobs + len(splan.narrow)
   temp_types = tuple(
@@ -667,7 +665,7 @@ def _stream_move(refs, tgt, src, save, flag, *, splan, pdl, slots, lookahead, in
           chunk=chunk, chunks=chunks, slots=slots, lookahead=lookahead))
     for n, k in enumerate(splan.narrow):
       pl.when(jnp.logical_not(is_wide) & (narrow_job == n))(functools.partial(
-          _move_narrow_rows, buffers[k], tgt_smem, src_smem, tokens, rows,
+          _move_narrow_rows, buffers[k], tgt_smem, src_smem, tokens,
           _window(buffers[k].dtype), interpret=interpret))
 
   # Temporaries are outputs (never read unless written first); the kernel only needs their
@@ -797,8 +795,7 @@ def _two_pass(buffers, tgt, src, *, unit_rows: int, pdl: bool, tiling: MoveTilin
   item_tgt = jnp.pad(item_tgt, (0, extra), constant_values=-1)
   item_save = jnp.pad(item_save, (0, extra))
   num_items = item_src.shape[0]
-  shape = dict(num_items=num_items, per_program=per_program, item_rows=item_rows,
-               rows=rows, pdl=pdl)
+  shape = dict(num_items=num_items, per_program=per_program, item_rows=item_rows, pdl=pdl)
   views = [_rows_view(b) for b in buffers]
   temps = _on_platform(
       functools.partial(_save_endangered, narrow=narrow, **shape),
@@ -832,15 +829,15 @@ def _load_indices(pairs, barrier):
   plgpu.barrier_wait(barrier)
 
 
-def _source(view, narrow: bool, row, item_rows: int, rows: int):
+def _source(view, narrow: bool, row, item_rows: int):
   """The GMEM slice holding source ``row`` (its window, for a narrow buffer)."""
   if narrow:
-    return view.at[pl.ds(_window_start(row, rows, _window(view.dtype)), _window(view.dtype))]
+    return view.at[pl.ds(_window_start(row, _window(view.dtype)), _window(view.dtype))]
   return view.at[pl.ds(row, item_rows)]
 
 
 def _save_endangered(interpret, views, item_src, item_save, *, narrow, num_items,
-                     per_program, item_rows, rows, pdl):
+                     per_program, item_rows, pdl):
   """Pass 1: ``temp[item] = view[item_src[item]]`` for the items marked in ``item_save``."""
   chunks = num_items // per_program
 
@@ -861,7 +858,7 @@ def _save_endangered(interpret, views, item_src, item_save, *, narrow, num_items
         def _(i):
           @pl.when(save_smem[i] != 0)
           def _():
-            _load(_source(source, n, src_smem[i], item_rows, rows), stage.at[i],
+            _load(_source(source, n, src_smem[i], item_rows), stage.at[i],
                   barriers.at[i])
 
         @pl.loop(0, per_program)
@@ -894,7 +891,7 @@ def _save_endangered(interpret, views, item_src, item_save, *, narrow, num_items
 
 
 def _move_items(refs, item_src, item_tgt, item_save, temps, *, narrow, num_items,
-                per_program, item_rows, rows, pdl, interpret):
+                per_program, item_rows, pdl, interpret):
   """Pass 2: ``ref[item_tgt] = temp[item] if item_save else ref[item_src]`` for every item."""
   chunks = num_items // per_program
 
@@ -926,7 +923,7 @@ def _move_items(refs, item_src, item_tgt, item_save, temps, *, narrow, num_items
 
           @pl.when(moved & jnp.logical_not(from_temp))
           def _():
-            _load(_source(buffer, n, src_smem[i], item_rows, rows), stage.at[i],
+            _load(_source(buffer, n, src_smem[i], item_rows), stage.at[i],
                   barriers.at[i])
 
         @pl.loop(0, per_program)
@@ -938,7 +935,7 @@ def _move_items(refs, item_src, item_tgt, item_save, temps, *, narrow, num_items
             plgpu.barrier_wait(barriers.at[i])
             if n:
               source = src_smem[i]
-              start = _window_start(source, rows, _window(buffer.dtype))
+              start = _window_start(source, _window(buffer.dtype))
               buffer[row] = stage[i, source - start]
             else:
               plgpu.copy_smem_to_gmem(stage.at[i], buffer.at[pl.ds(row, item_rows)],
