@@ -18,8 +18,8 @@ if want tests; then   # everything but the 61-layer move kernels (~150 s)
     tests/test_inplace.py tests/test_pallas_rows.py tests/test_sharding.py \
     > "$OUT/gpu_tests.log" 2>&1; tail -15 "$OUT/gpu_tests.log"
 fi
-if want moves; then   # 61-layer move kernels: ~20 s of lowering per case
-  timeout -s INT 300 "${PYTEST[@]}" --durations=5 tests/test_pallas_move.py \
+if want moves; then   # 61-layer move kernels: ~20 s of lowering per streamed case
+  timeout -s INT ${MOVES_TIMEOUT:-300} "${PYTEST[@]}" --durations=5 tests/test_pallas_move.py \
     > "$OUT/gpu_move_tests.log" 2>&1; tail -15 "$OUT/gpu_move_tests.log"
 fi
 if want sanitize; then
@@ -33,5 +33,6 @@ if want bench; then
   timeout 360 python3 -m jax_mla_cache bench --iters 10 --out "$OUT/h200.json" 2>&1 | tee "$OUT/bench.log"
 fi
 if want sweep; then
-  timeout 300 python3 benchmarks/sweep_moves.py --cases pth --budget 240 2>&1 | tee "$OUT/sweep_pth.log"
+  timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_moves.py --cases ${SWEEP_CASES:-pth} \
+    --budget ${SWEEP_BUDGET:-240} 2>&1 | tee "$OUT/sweep.log"
 fi

@@ -43,18 +43,21 @@ DEFAULT = T()
 # name -> tiling (None: XLA reference). Ordered: the default first.
 TOKEN_VARIANTS = {
     "default": DEFAULT,
-    "stream_p512": T(stream_programs=512),
-    "stream_p4096": T(stream_programs=4096, stream_min_chunk=4),
-    "stream_s32": T(stream_slots=32, stream_lookahead=16),
-    "staged_old": T(token_path="staged"),  # the previous default (two-pass above its limit)
+    "stream": T(token_path="stream"),  # the previous default (~20 s of lowering per T)
+    "direct_p512": T(token_path="direct", direct_programs=512),
+    "direct_p2048": T(token_path="direct", direct_programs=2048),
+    "direct_p8192": T(token_path="direct", direct_programs=8192),
+    "direct_i8": T(token_path="direct", direct_items_per_thread=8),
+    "direct_i32": T(token_path="direct", direct_items_per_thread=32, direct_max_tokens=8192),
     "two_pass": T(token_path="two_pass"),
     "xla": None,
 }
-SMALL_T_VARIANTS = ("default", "stream_p4096", "staged_old", "two_pass", "xla")
-PTH_VARIANTS = ("default", "narrow_first", "stream_p4096", "staged_old", "two_pass", "xla")
+SMALL_T_VARIANTS = ("default", "stream", "direct_p512", "direct_p2048", "direct_p8192", "xla")
+LARGE_T_VARIANTS = ("default", "stream", "direct_p2048", "direct_i8", "direct_i32", "xla")
+PTH_VARIANTS = ("default", "stream", "narrow_first", "direct_p2048", "direct_i32", "xla")
 # Variants that only differ with one-element rows (per_token_head scales).
-PTH_ONLY_VARIANTS = {"narrow_first": T(stream_narrow_first=True)}
-OVL_VARIANTS = ("default", "two_pass", "xla")
+PTH_ONLY_VARIANTS = {"narrow_first": T(token_path="stream", stream_narrow_first=True)}
+OVL_VARIANTS = ("default", "stream", "direct_i32", "xla")
 PAGE_VARIANTS = {
     "default": DEFAULT,
     "stream_item4k": T(stream_item_bytes=4096),
@@ -211,7 +214,7 @@ def main(argv=None):
     iters = 1
   else:
     cfg = mc.DEEPSEEK_V3
-    move_t, ovl_t, pth_t, pages = (8, 64, 256, 1024, 4096), (256, 4096), (64, 1024), (1, 16, 256)
+    move_t, ovl_t, pth_t, pages = (8, 64, 256, 1024, 4096), (256, 4096), (8, 64, 256, 1024, 4096), (1, 16, 256)
     iters = args.iters
   print(f"sweep_moves on {jax.devices()[0].device_kind} (jax {jax.__version__}), "
         f"{cfg.layer_num} layers x {cfg.rows} rows", flush=True)
@@ -242,7 +245,7 @@ def main(argv=None):
   row_bytes = cfg.row_bytes * cfg.layer_num
   for t in move_t:
     tgt, src = _pairs(rng, cfg.rows, t, overlap=False)
-    names = SMALL_T_VARIANTS if t <= 64 else tuple(TOKEN_VARIANTS)
+    names = SMALL_T_VARIANTS if t <= 64 else LARGE_T_VARIANTS
     cache = run_case(cache, f"move T={t}", pick(names), tgt, src, 1, iters,
                      2 * t * row_bytes, rng, budget_end, results)
   for t in ovl_t:

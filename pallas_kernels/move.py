@@ -76,8 +76,9 @@ class MoveTiling:
     min_programs: the staged path narrows bands until the grid has this many programs.
     two_pass_smem_bytes: shared memory of one two-pass program (its items of one buffer).
     max_items_per_program: cap on the items one two-pass program moves.
-    token_path: "auto" (streamed when the indices fit, else two-pass), "stream",
-      "staged" (falls back to two-pass when bands do not fit) or "two_pass".
+    token_path: "auto" (direct up to ``direct_max_tokens``, then streamed when the indices
+      fit, else two-pass), "direct", "stream", "staged" (falls back to two-pass when bands
+      do not fit) or "two_pass".
     stream_programs: streamed path: target number of (wide buffer, token chunk) programs.
     stream_max_chunk, stream_min_chunk: bounds of a streamed program's token chunk.
     stream_slots, stream_lookahead: the streamed ring: shared-memory row slots, and how
@@ -91,6 +92,12 @@ class MoveTiling:
     stream_narrow_first: streamed path: give the one-element-row programs (per_token_head
       scales) the first program ids, so they start in the first wave rather than after
       the wide programs (untimed variant, off by default until the H200 measures it).
+    direct_max_tokens: "auto": up to this T, token moves take the direct path (GPU only;
+      interpret mode runs the streamed path instead).
+    direct_items_per_thread: direct path: the most 16-byte items one thread holds in
+      registers (sets how many tokens a program covers per column band).
+    direct_programs: direct path: bands widen (fewer, larger programs) while the grid
+      has more programs than this.
   """
 
   staged_smem_bytes: int = 160 * 1024
@@ -109,6 +116,9 @@ class MoveTiling:
   stream_ring_bytes: int = 72 * 1024
   small_t_compare: int = 1024
   stream_narrow_first: bool = False
+  direct_max_tokens: int = 2048
+  direct_items_per_thread: int = 16
+  direct_programs: int = 1024
 
 
 DEFAULT_TILING = MoveTiling()
@@ -142,14 +152,19 @@ def move_rows(
   """
   buffers = _check_buffers(buffers)
   tgt, src = _check_indices(tgt_loc, src_loc, "tgt_loc", "src_loc")
+  path = tiling.token_path
+  if path not in ("auto", "direct", "stream", "staged", "two_pass"):
+    raise ValueError(
+        f"tiling.token_path: expected auto/direct/stream/staged/two_pass, got {path!r}")
   if tgt.shape[0] == 0 or not buffers:
     return buffers
   rows = buffers[0].shape[0]
+  if path == "direct" or path == "auto" and tgt.shape[0] <= tiling.direct_max_tokens:
+    dplan = _direct_plan(buffers, tgt.shape[0], tiling)
+    if dplan is not None:
+      return _direct(buffers, tgt, src, dplan=dplan, pdl=pdl, tiling=tiling)
   tgt, src = _sanitize(tgt, src, rows)
-  path = tiling.token_path
-  if path not in ("auto", "stream", "staged", "two_pass"):
-    raise ValueError(f"tiling.token_path: expected auto/stream/staged/two_pass, got {path!r}")
-  if path in ("auto", "stream"):
+  if path in ("auto", "direct", "stream"):
     splan = _stream_plan(buffers, tgt.shape[0], tiling)
     if splan is not None:
       return _stream(buffers, tgt, src, splan=splan, pdl=pdl, tiling=tiling)
@@ -527,6 +542,188 @@ def _scatter_elements(buffer, stage, tgt_smem, src_smem, tokens: int, window: in
 
 
 # ----------------------------------------------------------------------------------------
+# Direct token moves (GPU): one launch, programs over (buffer, column band), no preparation
+
+
+@dataclasses.dataclass(frozen=True)
+class _DirectGroup:
+  """Buffers of one row layout, moved by the same code (only the base address differs)."""
+  members: tuple[int, ...]  # buffer positions
+  first: int  # first program
+  bands: int  # programs per member
+  row_bytes: int
+  item_bytes: int  # 16, or the element size of a one-element row
+  band: int  # items of a row per program (a power of two)
+  steps: int  # items per thread
+
+
+@dataclasses.dataclass(frozen=True)
+class _DirectPlan:
+  tokens: int
+  rows: int
+  groups: tuple[_DirectGroup, ...]
+  programs: int
+
+
+def _direct_plan(buffers, num_tokens: int, tiling: MoveTiling):
+  """Column bands per row layout, or None when T rows do not fit the threads' registers
+  (or the interpret-mode stand-in, the streamed path, has no plan)."""
+  if _stream_plan(buffers, num_tokens, tiling) is None:
+    return None
+  layouts: dict[tuple[int, int], list[int]] = {}
+  for k, b in enumerate(buffers):
+    row_bytes = math.prod(b.shape[1:]) * b.dtype.itemsize
+    item = b.dtype.itemsize if row_bytes % _BULK_ALIGN else _BULK_ALIGN
+    layouts.setdefault((row_bytes, item), []).append(k)
+  total = sum(math.prod(b.shape[1:]) * b.dtype.itemsize for b in buffers)
+  limit = tiling.direct_items_per_thread
+  groups, first = [], 0
+  for (row_bytes, item), members in layouts.items():
+    cols = row_bytes // item
+    steps = lambda band: -(-num_tokens * band // _WARPGROUP)
+    widest = 1
+    while widest * 2 <= min(cols, 32) and steps(widest * 2) <= limit:
+      widest *= 2
+    if steps(widest) > limit:
+      return None
+    # Start at 32-byte sectors (two 16-byte items of a row per warp), widen while the
+    # group has more programs than its share of ``direct_programs``.
+    share = tiling.direct_programs * len(members) * row_bytes / total
+    band = min(widest, 2)
+    while band < widest and len(members) * -(-cols // band) > share:
+      band *= 2
+    bands = -(-cols // band)
+    groups.append(_DirectGroup(tuple(members), first, bands, row_bytes, item, band,
+                               steps(band)))
+    first += len(members) * bands
+  return _DirectPlan(num_tokens, buffers[0].shape[0], tuple(groups), first)
+
+
+def _direct(buffers, tgt, src, *, dplan: _DirectPlan, pdl: bool, tiling: MoveTiling):
+  """Token moves with no index preparation (GPU); the streamed path in interpret mode.
+
+  Each program owns a column band of one buffer (the same 16-byte items of every row) and
+  its threads hold all T pairs' items of that band in registers: every thread loads its
+  items, the program meets at a barrier, then every thread stores. No other program
+  touches those bytes, so this is the snapshot for any overlap, and no XLA work is needed
+  before the launch (int32 indices go in as they are; the kernel skips out-of-range pairs).
+  A duplicated target row may mix its writers by 16-byte items (as the row kernels).
+  """
+  rows = buffers[0].shape[0]
+  if tgt.dtype != jnp.int32 or src.dtype != jnp.int32:
+    tgt, src = _sanitize(tgt, src, rows)  # compares before narrowing
+
+  def build(interpret: bool):
+    if interpret:
+      return functools.partial(_direct_stand_in, pdl=pdl, tiling=tiling)
+    run = functools.partial(_direct_move, plan=dplan, pdl=pdl)
+    return functools.partial(_in_place, run, None)
+
+  return common.dispatch(build, buffers, tgt, src)
+
+
+def _direct_stand_in(buffers, tgt, src, *, pdl: bool, tiling: MoveTiling):
+  """Interpret mode has no thread-level code: the streamed path, same semantics."""
+  tgt, src = _sanitize(tgt, src, buffers[0].shape[0])
+  splan = _stream_plan(buffers, tgt.shape[0], tiling)
+  args = _stream_inputs(buffers, tgt, src, splan=splan, tiling=tiling)
+  return _in_place(_stream_runner(splan, pdl, tiling), common.interpret_params(),
+                   buffers, *args)
+
+
+def _direct_move(refs, tgt, src, *, plan: _DirectPlan, pdl: bool, interpret):
+  del interpret  # GPU only
+
+  def body(tgt_gmem, src_gmem, *buffers):
+    if pdl:
+      plgpu.griddepcontrol_wait()
+    _direct_copy(plan, tgt_gmem, src_gmem, buffers)
+
+  plgpu.kernel(
+      body,
+      out_type=(),
+      grid=(plan.programs,),
+      grid_names=("job",),
+      compiler_params=_compiler_params(),
+  )(tgt, src, *refs)
+
+
+def _direct_copy(plan: _DirectPlan, tgt_gmem, src_gmem, buffers):
+  """Thread-level body of a direct program (Mosaic GPU IR through ``inline_mgpu``).
+
+  Program ``p`` of group ``g`` moves items ``[band * B, band * B + B)`` (B = ``g.band``) of
+  every row of buffer ``g.members[p // g.bands]``. Thread ``l`` takes item ``l % B`` of
+  tokens ``l // B + s * (128 // B)`` for ``s < g.steps``. The buffer's base address is
+  chosen by selects, so the code exists once per row layout, not once per buffer.
+  """
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref, scf
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (2 + len(buffers)))
+  def copy(_, tgt_ref, src_ref, *bufs):
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    index = ir.IndexType.get()
+    c32 = lambda v: mgpu_utils.c(v, i32)
+    c64 = lambda v: mgpu_utils.c(v, i64)
+    ult = lambda a, b: arith.cmpi(arith.CmpIPredicate.ult, a, b)
+    global_ptr = llvm.PointerType.get(1)
+    program = arith.index_cast(i32, gpu.block_id(gpu.Dimension.x))
+    lane = arith.remui(mgpu_utils.thread_idx(), c32(_WARPGROUP))
+    bases = [llvm.ptrtoint(i64, mgpu_utils.memref_ptr(b)) for b in bufs]
+    for g in plan.groups:
+      local = arith.subi(program, c32(g.first))
+      mine = ult(local, c32(len(g.members) * g.bands))  # local < 0 wraps to large
+      if_mine = scf.IfOp(mine)
+      with ir.InsertionPoint(if_mine.then_block):
+        member = arith.divui(local, c32(g.bands))
+        base = bases[g.members[0]]
+        for m, k in enumerate(g.members[1:], 1):
+          base = arith.select(arith.cmpi(arith.CmpIPredicate.eq, member, c32(m)),
+                              bases[k], base)
+        per_step = _WARPGROUP // g.band
+        col = arith.addi(arith.muli(arith.remui(local, c32(g.bands)), c32(g.band)),
+                         arith.remui(lane, c32(g.band)))
+        col_ok = ult(col, c32(g.row_bytes // g.item_bytes))
+        col_off = arith.muli(arith.extui(i64, arith.select(col_ok, col, c32(0))),
+                             c64(g.item_bytes))
+        token0 = arith.divui(lane, c32(g.band))
+        if g.item_bytes == _BULK_ALIGN:
+          item_ty = ir.VectorType.get([4], i32)
+        else:
+          item_ty = ir.IntegerType.get_signless(8 * g.item_bytes)
+
+        def address(row):
+          offset = arith.muli(arith.extui(i64, row), c64(g.row_bytes))
+          return llvm.inttoptr(global_ptr, arith.addi(arith.addi(base, offset), col_off))
+
+        loaded = []
+        for step in range(g.steps):
+          token = arith.addi(token0, c32(step * per_step))
+          ok = col_ok
+          if (step + 1) * per_step > plan.tokens:
+            token_ok = ult(token, c32(plan.tokens))
+            ok = arith.andi(ok, token_ok)
+            token = arith.select(token_ok, token, c32(0))
+          at = [arith.index_cast(index, token)]
+          tgt, src = memref.load(tgt_ref, at), memref.load(src_ref, at)
+          ok = arith.andi(ok, arith.andi(ult(tgt, c32(plan.rows)), ult(src, c32(plan.rows))))
+          value = llvm.load(item_ty, address(arith.select(ok, src, c32(0))),
+                            alignment=g.item_bytes)
+          loaded.append((ok, tgt, value))
+        # Every load of the program is performed before any of its stores (bar.sync).
+        mgpu_utils.warpgroup_barrier()
+        for ok, tgt, value in loaded:
+          if_ok = scf.IfOp(ok)
+          with ir.InsertionPoint(if_ok.then_block):
+            llvm.store(value, address(tgt), alignment=g.item_bytes)
+            scf.yield_([])
+        scf.yield_([])
+
+  copy(tgt_gmem, src_gmem, *buffers)
+
+
+# ----------------------------------------------------------------------------------------
 # Streamed token moves: one launch, programs over (wide buffer, token chunk)
 
 
@@ -601,6 +798,13 @@ def _stream(buffers, tgt, src, *, splan: _StreamPlan, pdl: bool, tiling: MoveTil
   * One-element rows (the per_token_head scale): one program per buffer loads every
     source's 16-byte window into shared memory before any scalar store (its own snapshot).
   """
+  args = _stream_inputs(buffers, tgt, src, splan=splan, tiling=tiling, save=save)
+  run = _stream_runner(splan, pdl, tiling)
+  return _on_platform(functools.partial(_in_place, run), buffers, *args)
+
+
+def _stream_inputs(buffers, tgt, src, *, splan: _StreamPlan, tiling: MoveTiling, save=None):
+  """The streamed kernel's index inputs: padded tgt, src, save, and the 4-word flag."""
   if save is None:
     save = _endangered(tgt, src, buffers[0].shape[0], tiling.small_t_compare)
   extra = splan.tokens - tgt.shape[0]
@@ -610,11 +814,14 @@ def _stream(buffers, tgt, src, *, splan: _StreamPlan, pdl: bool, tiling: MoveTil
     save = jnp.pad(save, (0, extra))
   # "Any source endangered" as 4 partial maxima (one 16-byte load; the kernel ORs them).
   flag = jnp.max(save.reshape(_BULK_ALIGN // 4, -1), axis=1)
-  run = functools.partial(_stream_move, splan=splan, pdl=pdl,
-                          narrow_first=tiling.stream_narrow_first,
-                          slots=tiling.stream_slots,
-                          lookahead=min(tiling.stream_lookahead, tiling.stream_slots - 1))
-  return _on_platform(functools.partial(_in_place, run), buffers, tgt, src, save, flag)
+  return tgt, src, save, flag
+
+
+def _stream_runner(splan: _StreamPlan, pdl: bool, tiling: MoveTiling):
+  return functools.partial(_stream_move, splan=splan, pdl=pdl,
+                           narrow_first=tiling.stream_narrow_first,
+                           slots=tiling.stream_slots,
+                           lookahead=min(tiling.stream_lookahead, tiling.stream_slots - 1))
 
 
 def _stream_move(refs, tgt, src, save, flag, *, splan, pdl, slots, lookahead, interpret,

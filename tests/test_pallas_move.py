@@ -19,6 +19,8 @@ import jax_mla_cache as mc
 from pallas_kernels.move import MoveTiling, move_pages, move_rows
 
 TWO_PASS = MoveTiling(token_path="two_pass")
+STREAM = MoveTiling(token_path="stream")
+DIRECT = MoveTiling(token_path="direct")
 STAGED = MoveTiling(token_path="staged")
 NARROW_FIRST = MoveTiling(token_path="stream", stream_programs=4096, stream_min_chunk=4,
                           stream_narrow_first=True)
@@ -245,12 +247,14 @@ def lower_for_cuda(fn, buffers, count):
 
 
 @pytest.mark.parametrize("kind, count, launches", [
-    ("stream", 40, 1), ("staged", 40, 1), ("two_pass", 40, 2), ("pages", 40, 1),
+    ("direct", 40, 1), ("direct", 2048, 1), ("stream", 40, 1), ("staged", 40, 1),
+    ("two_pass", 40, 2), ("pages", 40, 1),
     ("pages_two_pass", 40, 2), ("pdl", 40, 1), ("narrow_first", 40, 1)])
 def test_cuda_lowering_aliases_every_buffer(kind, count, launches):
   buffers = make_buffers(np.random.default_rng(0), rows=4096 + 64, plain_layers=3)
   fn = {
-      "stream": move_rows,
+      "direct": move_rows,
+      "stream": lambda b, t, s: move_rows(b, t, s, tiling=STREAM),
       "staged": lambda b, t, s: move_rows(b, t, s, tiling=STAGED),
       "two_pass": lambda b, t, s: move_rows(b, t, s, tiling=TWO_PASS),
       "pages": lambda b, t, s: move_pages(b, t, s, page_size=64),
@@ -266,6 +270,21 @@ def test_cuda_lowering_aliases_every_buffer(kind, count, launches):
   assert len(aliases) == len(buffers)  # the move kernel aliases every buffer
   main = next(line for line in text.splitlines() if "func.func public @main" in line)
   assert main.count("tf.aliasing_output") == len(buffers)
+
+
+@pytest.mark.parametrize("count", [1, 64, 1024])
+def test_direct_path_needs_no_index_preparation(count):
+  # int32 indices go straight into the one kernel: no XLA op before it (the range checks
+  # are in the kernel), and the kernel body exists once per row layout, so 61 layers lower
+  # in well under a second (the streamed kernel takes ~20 s).
+  buffers = [jax.ShapeDtypeStruct((2**18 + 64, 1, 576), jnp.bfloat16)] * 61
+  text = lower_for_cuda(move_rows, buffers, count)
+  main = text[text.index("func.func public @main"):]
+  ops = set(re.findall(r"(stablehlo\.\w+)", main.split("func.func", 2)[1]))
+  allowed = {"custom_call", "reshape", "case", "constant", "return"}  # case: the platform
+  assert ops <= {f"stablehlo.{op}" for op in allowed}, ops
+  stream = lower_for_cuda(lambda b, t, s: move_rows(b, t, s, tiling=STREAM), buffers[:2], count)
+  assert "stablehlo.compare" in stream  # the streamed path's preparation, for contrast
 
 
 @pytest.mark.parametrize("count", [4096])
@@ -310,6 +329,41 @@ def test_gpu_move_rows_61_layers(gpu_buffers, count):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("count", [64, 1024])
+def test_gpu_move_rows_61_layers_streamed(gpu_buffers, count):
+  # The streamed path where "auto" now takes the direct one (~20 s of lowering each).
+  tgt, src = hostile_pairs(np.random.default_rng(count + 1), GPU_ROWS, count)
+  want = jax.jit(reference_move)(gpu_buffers, jnp.asarray(tgt), jnp.asarray(src))
+  got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=STREAM))(gpu_buffers, tgt, src)
+  for g, w in zip(got, want):
+    assert bool(jnp.all(g.view(jnp.uint16) == w.view(jnp.uint16)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [5, 300, 2048])
+def test_gpu_direct_duplicate_targets(count):
+  # Duplicated targets (and sources) on the GPU: every 16-byte item of a duplicated row is
+  # that item of one of its writers' sources; rows with one writer and untouched rows exact.
+  rng = np.random.default_rng(count)
+  rows = 4096
+  buffers = make_buffers(rng, rows=rows, plain_layers=2, trio_layers=1)
+  tgt = rng.integers(0, rows // 8, count).astype(np.int32)
+  src = rng.integers(0, rows, count).astype(np.int32)
+  got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=DIRECT))(buffers, tgt, src)
+  for g, b in zip(got, buffers):
+    g, b = np.asarray(g), np.asarray(b)
+    item = 16 if b[0].nbytes % 16 == 0 else b.dtype.itemsize
+    gi = g.view(np.uint8).reshape(rows, -1, item)
+    bi = b.view(np.uint8).reshape(rows, -1, item)
+    untouched = np.setdiff1d(np.arange(rows), tgt)
+    np.testing.assert_array_equal(gi[untouched], bi[untouched])
+    for t in np.unique(tgt):
+      writers = bi[src[tgt == t]]  # (w, items, item)
+      match = (gi[t][None] == writers).all(axis=-1).any(axis=0)
+      assert match.all(), (t, np.flatnonzero(~match)[:5])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("count", [7, 256, 4096])
 def test_gpu_move_rows_per_token_head(count):
   rng = np.random.default_rng(count)
@@ -318,7 +372,7 @@ def test_gpu_move_rows_per_token_head(count):
   tgt, src = hostile_pairs(rng, rows, count)
   tgt, src = np.array(tgt), np.array(src)
   src[np.flatnonzero((tgt >= 0) & (tgt < rows))[:1]] = rows - 1  # the last aligned scale window
-  for tiling in (MoveTiling(), MoveTiling(stream_narrow_first=True), STAGED, TWO_PASS):
+  for tiling in (MoveTiling(), DIRECT, STREAM, NARROW_FIRST, STAGED, TWO_PASS):
     got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=tiling))(buffers, tgt, src)
     assert_bits_equal(got, model_move(buffers, tgt, src))
 
