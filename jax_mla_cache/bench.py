@@ -170,9 +170,7 @@ def bench_moves(cfg: mc.MLACacheConfig, tokens_list, pages_list, impls, iters, r
   quant_cfg = cfg.replace(dtype=jnp.float8_e4m3fn, quant_method="per_token_head")
   for op, c in (("move", cfg), ("move_pth", quant_cfg)):
     cache = mc.init_cache(c)
-    # per_token_head moves at the two ends of the range (each 61-layer kernel takes ~20 s
-    # of Mosaic lowering on the host)
-    for tokens in (tokens_list if op == "move" else (tokens_list[1], tokens_list[-2])):
+    for tokens in tokens_list:
       perm = rng.permutation(c.rows)[: 2 * tokens].astype(np.int32)
       tgt, src = jnp.asarray(perm[:tokens]), jnp.asarray(perm[tokens:])
       for impl in impls:
