@@ -31,7 +31,9 @@ Design (one Mosaic GPU program never races another because each owns distinct by
   program of each buffer works, on all T tokens of its buffer: it saves the endangered
   sources to a temporary, waits for those writes, then moves every pair; it owns the
   buffer, so this is the snapshot for any overlap. One-element rows (the per_token_head
-  scale) get one program per buffer that reads every 16-byte window before any scalar store.
+  scale) get one program per buffer: on the GPU its threads hold all T elements in
+  registers, as the direct path; in interpret mode it reads every 16-byte window before any
+  scalar store.
   Page moves use the same path on buffers viewed as blocks of whole rows (a free reshape).
   The staged and two-pass paths below remain (``MoveTiling.token_path``) and are the
   fallback when the indices do not fit shared memory.
