@@ -397,3 +397,32 @@ def test_gpu_donated_move_has_no_buffer_copy(gpu_buffers):
     hlo = jax.jit(fn, donate_argnums=0).lower(types, index, index).compile().as_text()
     copies = [line for line in hlo.splitlines() if " copy(" in line and "576" in line]
     assert not copies, copies
+
+
+def test_direct_plan_bands_cover_every_row_once():
+  # Every (buffer, 16-byte item) belongs to exactly one program, bands are powers of two,
+  # each thread holds at most `direct_items_per_thread` items; too many tokens -> no plan.
+  from pallas_kernels.move import _direct_plan
+  buffers = [jax.ShapeDtypeStruct((2**18 + 64, 1, 576), jnp.bfloat16)] * 3 + [
+      jax.ShapeDtypeStruct((4096, 1, 512), jnp.float8_e4m3fn),
+      jax.ShapeDtypeStruct((4096, 1, 1), jnp.float32),
+      jax.ShapeDtypeStruct((4096, 1, 64), jnp.bfloat16)]
+  tiling = MoveTiling()
+  for tokens in (1, 8, 64, 300, 1024):
+    plan = _direct_plan(buffers, tokens, tiling)
+    owners = {}
+    for g in plan.groups:
+      assert g.band & (g.band - 1) == 0 and g.steps <= tiling.direct_items_per_thread
+      assert g.steps * (128 // g.band) >= tokens  # every token has a thread
+      for m, k in enumerate(g.members):
+        for band in range(g.bands):
+          program = g.first + m * g.bands + band
+          for col in range(band * g.band, min((band + 1) * g.band,
+                                              g.row_bytes // g.item_bytes)):
+            assert (k, col) not in owners
+            owners[k, col] = program
+    want = {(k, c) for k, b in enumerate(buffers)
+            for c in range(max(1, b.shape[-1] * b.dtype.itemsize // 16))}
+    assert set(owners) == want
+    assert max(owners.values()) < plan.programs
+  assert _direct_plan(buffers, 4096 * 4, tiling) is None
