@@ -682,17 +682,17 @@ def _direct_copy(plan: _DirectPlan, tgt_gmem, src_gmem, buffers):
     global_ptr = llvm.PointerType.get(1)
     program = arith.index_cast(i32, gpu.block_id(gpu.Dimension.x))
     lane = arith.remui(mgpu_utils.thread_idx(), c32(_WARPGROUP))
-    bases = [llvm.ptrtoint(i64, mgpu_utils.memref_ptr(b)) for b in bufs]
     for g in plan.groups:
       local = arith.subi(program, c32(g.first))
       mine = ult(local, c32(len(g.members) * g.bands))  # local < 0 wraps to large
       if_mine = scf.IfOp(mine)
       with ir.InsertionPoint(if_mine.then_block):
         member = arith.divui(local, c32(g.bands))
-        base = bases[g.members[0]]
+        address_of = lambda k: llvm.ptrtoint(i64, mgpu_utils.memref_ptr(bufs[k]))
+        base = address_of(g.members[0])
         for m, k in enumerate(g.members[1:], 1):
           base = arith.select(arith.cmpi(arith.CmpIPredicate.eq, member, c32(m)),
-                              bases[k], base)
+                              address_of(k), base)
         per_step = _WARPGROUP // g.band
         col = arith.addi(arith.muli(arith.remui(local, c32(g.bands)), c32(g.band)),
                          arith.remui(lane, c32(g.band)))
