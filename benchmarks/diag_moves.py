@@ -6,6 +6,9 @@ Times `pallas_kernels.move.move_rows` (profiler device time per call, every GPU 
 listed) on buffer lists of 2**16 + 64 rows: plain bf16 rows (576) for 20, 61 and 183 buffers,
 and per_token_head parts (fp8 nope 512, f32 scale, bf16 rope 64) alone and together, at
 T = 8 and 64 (random distinct disjoint rows). The contents are zeros: only time is measured.
+`--rounds`: instead, the direct path in rounds (`MoveTiling(direct_rounds=True)`) against
+the default (streamed) path at T = 2048 and 4096, 61 layers of 2**18 + 64 rows, disjoint
+and overlapping (swaps) index sets.
 """
 
 from __future__ import annotations
@@ -15,18 +18,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mla_cache.bench import time_per_call
-from pallas_kernels.move import move_rows
+import sys
+
+from pallas_kernels.move import MoveTiling, move_rows
 
 ROWS = 2**16 + 64
 PLAIN = ((576,), jnp.bfloat16)
 NOPE, SCALE, ROPE = ((512,), jnp.float8_e4m3fn), ((1,), jnp.float32), ((64,), jnp.bfloat16)
 
 
-def run(name, kinds, layers, tokens, iters=20):
-  buffers = [jnp.zeros((ROWS, 1, *shape), dtype) for _ in range(layers) for shape, dtype in kinds]
-  perm = np.random.default_rng(tokens).permutation(ROWS)[: 2 * tokens].astype(np.int32)
-  tgt, src = jnp.asarray(perm[:tokens]), jnp.asarray(perm[tokens:])
-  f = jax.jit(move_rows, donate_argnums=0)
+def run(name, kinds, layers, tokens, iters=20, tiling=MoveTiling(), rows=None, swaps=False):
+  rows = rows or ROWS
+  buffers = [jnp.zeros((rows, 1, *shape), dtype) for _ in range(layers) for shape, dtype in kinds]
+  perm = np.random.default_rng(tokens).permutation(rows)[: 2 * tokens].astype(np.int32)
+  tgt, src = perm[:tokens], perm[tokens:]
+  if swaps:  # every pair's source is another pair's target
+    tgt = np.concatenate([tgt[: tokens // 2], src[: tokens - tokens // 2]])
+    src = np.concatenate([src[: tokens // 2], tgt[: tokens - tokens // 2]])
+  tgt, src = jnp.asarray(tgt), jnp.asarray(src)
+  f = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=tiling), donate_argnums=0)
   bd = {}
   us, _, method = time_per_call(lambda st: (f(*st), *st[1:]), (buffers, tgt, src), iters, bd)
   nbytes = 2 * tokens * layers * sum(np.prod(s) * jnp.dtype(d).itemsize for s, d in kinds)
@@ -38,6 +48,17 @@ def run(name, kinds, layers, tokens, iters=20):
 
 def main():
   print(f"diag_moves on {jax.devices()[0].device_kind}", flush=True)
+  if "--rounds" in sys.argv:
+    rounds = MoveTiling(token_path="direct", direct_rounds=True)
+    for tokens in (4096, 2048):
+      for kinds, name in (([PLAIN], "plain"), ([NOPE, SCALE, ROPE], "per_token_head")):
+        for tiling, label in ((rounds, "rounds"), (MoveTiling(), "default")):
+          if tokens == 2048 and label == "default":
+            continue  # ~20 s of lowering per streamed case
+          for swaps in (False, True) if label == "rounds" else (False,):
+            run(f"{name} {label}{' swaps' if swaps else ''}", kinds, 61, tokens, 10, tiling,
+                2**18 + 64, swaps)
+    return
   for tokens in (8, 64):
     run("plain", [PLAIN], 20, tokens)
     run("plain", [PLAIN], 61, tokens)

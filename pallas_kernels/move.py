@@ -110,6 +110,9 @@ class MoveTiling:
       registers (sets how many tokens a program covers per column band).
     direct_programs: direct path: bands widen (fewer, larger programs) while the grid
       has more programs than this.
+    direct_rounds: direct path: when T items do not fit the registers, move them in rounds
+      (XLA computes "any source endangered"; if so, each program first copies its band of
+      the sources to a temporary). Off by default until the H200 measures it.
   """
 
   staged_smem_bytes: int = 160 * 1024
@@ -131,6 +134,7 @@ class MoveTiling:
   direct_max_tokens: int = 1024
   direct_items_per_thread: int = 32
   direct_programs: int = 1024
+  direct_rounds: bool = False
 
 
 DEFAULT_TILING = MoveTiling()
@@ -566,7 +570,8 @@ class _DirectGroup:
   row_bytes: int
   item_bytes: int  # 16, or the element size of a one-element row
   band: int  # items of a row per program (a power of two)
-  steps: int  # items per thread
+  steps: int  # items per thread (per round)
+  rounds: int = 1  # > 1: T is moved in rounds (needs the "any endangered" flag)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -575,6 +580,10 @@ class _DirectPlan:
   rows: int
   groups: tuple[_DirectGroup, ...]
   programs: int
+
+  @property
+  def rounds(self) -> bool:
+    return any(g.rounds > 1 for g in self.groups)
 
 
 def _direct_plan(buffers, num_tokens: int, tiling: MoveTiling):
@@ -596,8 +605,17 @@ def _direct_plan(buffers, num_tokens: int, tiling: MoveTiling):
     widest = 1
     while widest * 2 <= min(cols, 32) and steps(widest * 2) <= limit:
       widest *= 2
-    if steps(widest) > limit:
+    if steps(widest) > limit and not tiling.direct_rounds:
       return None
+    if tiling.direct_rounds and steps(min(2, cols)) > limit:
+      # Rounds of ``limit`` items per thread, 32-byte sectors per row and warp (one
+      # 16-byte item per lane and row writes half sectors: 704 us at T=4096 on the H200).
+      band = min(2, cols)
+      bands = -(-cols // band)
+      groups.append(_DirectGroup(tuple(members), first, bands, row_bytes, item, band,
+                                 limit, -(-steps(band) // limit)))
+      first += len(members) * bands
+      continue
     # Start at 32-byte sectors (two 16-byte items of a row per warp), widen while the
     # group has more programs than its share of ``direct_programs``.
     share = tiling.direct_programs * len(members) * row_bytes / total
@@ -622,8 +640,12 @@ def _direct(buffers, tgt, src, *, dplan: _DirectPlan, pdl: bool, tiling: MoveTil
   A duplicated target row may mix its writers by 16-byte items (as the row kernels).
   """
   rows = buffers[0].shape[0]
-  if tgt.dtype != jnp.int32 or src.dtype != jnp.int32:
+  if dplan.rounds or tgt.dtype != jnp.int32 or src.dtype != jnp.int32:
     tgt, src = _sanitize(tgt, src, rows)  # compares before narrowing
+  args = (tgt, src)
+  if dplan.rounds:  # rounds need to know whether any source is some other pair's target
+    save = _endangered(tgt, src, rows, tiling.small_t_compare)
+    args += (jnp.max(save, keepdims=True),)
 
   def build(interpret: bool):
     if interpret:
@@ -631,11 +653,12 @@ def _direct(buffers, tgt, src, *, dplan: _DirectPlan, pdl: bool, tiling: MoveTil
     run = functools.partial(_direct_move, plan=dplan, pdl=pdl)
     return functools.partial(_in_place, run, None)
 
-  return common.dispatch(build, buffers, tgt, src)
+  return common.dispatch(build, buffers, *args)
 
 
-def _direct_stand_in(buffers, tgt, src, *, pdl: bool, tiling: MoveTiling):
+def _direct_stand_in(buffers, tgt, src, flag=None, *, pdl: bool, tiling: MoveTiling):
   """Interpret mode has no thread-level code: the streamed path, same semantics."""
+  del flag
   tgt, src = _sanitize(tgt, src, buffers[0].shape[0])
   splan = _stream_plan(buffers, tgt.shape[0], tiling)
   args = _stream_inputs(buffers, tgt, src, splan=splan, tiling=tiling)
@@ -643,37 +666,54 @@ def _direct_stand_in(buffers, tgt, src, *, pdl: bool, tiling: MoveTiling):
                    buffers, *args)
 
 
-def _direct_move(refs, tgt, src, *, plan: _DirectPlan, pdl: bool, interpret):
+def _direct_move(refs, tgt, src, *flag, plan: _DirectPlan, pdl: bool, interpret):
   del interpret  # GPU only
+  # Rounds: a temporary per buffer for the endangered case (an output: only its memory is
+  # needed; dropped right after).
+  temp_types = tuple(jax.ShapeDtypeStruct((plan.tokens, *r.shape[1:]), r.dtype)
+                     for r in refs) if plan.rounds else ()
 
-  def body(tgt_gmem, src_gmem, *buffers):
+  def body(*args):
+    tgt_gmem, src_gmem, *rest = args
+    flag_gmem = rest.pop(0) if plan.rounds else None
+    buffers, temps = rest[:len(refs)], rest[len(refs):]
     if pdl:
       plgpu.griddepcontrol_wait()
-    _direct_copy(plan, tgt_gmem, src_gmem, buffers)
+    _direct_copy(plan, tgt_gmem, src_gmem, buffers, flag_gmem, temps)
 
   plgpu.kernel(
       body,
-      out_type=(),
+      out_type=temp_types,
       grid=(plan.programs,),
       grid_names=("job",),
       compiler_params=_compiler_params(),
-  )(tgt, src, *refs)
+  )(tgt, src, *flag, *refs)
 
 
-def _direct_copy(plan: _DirectPlan, tgt_gmem, src_gmem, buffers):
+def _direct_copy(plan: _DirectPlan, tgt_gmem, src_gmem, buffers, flag_gmem=None, temps=()):
   """Thread-level body of a direct program (Mosaic GPU IR through ``inline_mgpu``).
 
   Program ``p`` of group ``g`` moves items ``[band * B, band * B + B)`` (B = ``g.band``) of
   every row of buffer ``g.members[p // g.bands]``. Thread ``l`` takes item ``l % B`` of
-  tokens ``l // B + s * (128 // B)`` for ``s < g.steps``. The buffer's base address is
-  chosen by selects, so the code exists once per row layout, not once per buffer.
+  tokens ``l // B + s * (128 // B)`` for ``s < g.steps`` (plus ``g.steps * 128 // B`` per
+  round). The buffer's base address is chosen by selects, so the code exists once per row
+  layout, not once per buffer.
+
+  One round: load every item, barrier, store. Several rounds: if no source is endangered
+  (``flag_gmem[0] == 0``) each round loads then stores its items (no store can reach a row
+  that is read); otherwise the program first copies all its source items to ``temps`` (row
+  = token), meets at a barrier, then copies the temporary to the targets.
   """
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref, scf
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (2 + len(buffers)))
-  def copy(_, tgt_ref, src_ref, *bufs):
+  extra = (flag_gmem, *temps) if flag_gmem is not None else ()
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (2 + len(buffers) + len(extra)))
+  def copy(_, tgt_ref, src_ref, *refs):
+    bufs = refs[:len(buffers)]
+    flag_ref, *temp_refs = refs[len(buffers):] or (None,)
     i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
     index = ir.IndexType.get()
     c32 = lambda v: mgpu_utils.c(v, i32)
@@ -682,18 +722,33 @@ def _direct_copy(plan: _DirectPlan, tgt_gmem, src_gmem, buffers):
     global_ptr = llvm.PointerType.get(1)
     program = arith.index_cast(i32, gpu.block_id(gpu.Dimension.x))
     lane = arith.remui(mgpu_utils.thread_idx(), c32(_WARPGROUP))
+
+    def rounds_loop(count: int, fn):
+      loop = scf.ForOp(mgpu_utils.c(0, index), mgpu_utils.c(count, index),
+                       mgpu_utils.c(1, index))
+      with ir.InsertionPoint(loop.body):
+        fn(arith.index_cast(i32, loop.induction_variable))
+        scf.yield_([])
+
     for g in plan.groups:
       local = arith.subi(program, c32(g.first))
       mine = ult(local, c32(len(g.members) * g.bands))  # local < 0 wraps to large
       if_mine = scf.IfOp(mine)
       with ir.InsertionPoint(if_mine.then_block):
         member = arith.divui(local, c32(g.bands))
-        address_of = lambda k: llvm.ptrtoint(i64, mgpu_utils.memref_ptr(bufs[k]))
-        base = address_of(g.members[0])
-        for m, k in enumerate(g.members[1:], 1):
-          base = arith.select(arith.cmpi(arith.CmpIPredicate.eq, member, c32(m)),
-                              address_of(k), base)
+
+        def select_base(refs_):
+          address_of = lambda k: llvm.ptrtoint(i64, mgpu_utils.memref_ptr(refs_[k]))
+          base = address_of(g.members[0])
+          for m, k in enumerate(g.members[1:], 1):
+            base = arith.select(arith.cmpi(arith.CmpIPredicate.eq, member, c32(m)),
+                                address_of(k), base)
+          return base
+
+        base = select_base(bufs)
+        temp_base = select_base(temp_refs) if g.rounds > 1 else None
         per_step = _WARPGROUP // g.band
+        per_round = g.steps * per_step
         col = arith.addi(arith.muli(arith.remui(local, c32(g.bands)), c32(g.band)),
                          arith.remui(lane, c32(g.band)))
         col_ok = ult(col, c32(g.row_bytes // g.item_bytes))
@@ -705,34 +760,57 @@ def _direct_copy(plan: _DirectPlan, tgt_gmem, src_gmem, buffers):
         else:
           item_ty = ir.IntegerType.get_signless(8 * g.item_bytes)
 
-        def address(row):
+        def address(start, row):
           offset = arith.muli(arith.extui(i64, row), c64(g.row_bytes))
-          return llvm.inttoptr(global_ptr, arith.addi(arith.addi(base, offset), col_off))
+          return llvm.inttoptr(global_ptr, arith.addi(arith.addi(start, offset), col_off))
 
-        loaded = []
-        for step in range(g.steps):
-          token = arith.addi(token0, c32(step * per_step))
-          ok = col_ok
-          if (step + 1) * per_step > plan.tokens:
-            token_ok = ult(token, c32(plan.tokens))
-            ok = arith.andi(ok, token_ok)
-            token = arith.select(token_ok, token, c32(0))
-          at = [arith.index_cast(index, token)]
-          tgt, src = memref.load(tgt_ref, at), memref.load(src_ref, at)
-          ok = arith.andi(ok, arith.andi(ult(tgt, c32(plan.rows)), ult(src, c32(plan.rows))))
-          value = llvm.load(item_ty, address(arith.select(ok, src, c32(0))),
-                            alignment=g.item_bytes)
-          loaded.append((ok, tgt, value))
-        # Every load of the program is performed before any of its stores (bar.sync).
-        mgpu_utils.warpgroup_barrier()
-        for ok, tgt, value in loaded:
-          if_ok = scf.IfOp(ok)
-          with ir.InsertionPoint(if_ok.then_block):
-            llvm.store(value, address(tgt), alignment=g.item_bytes)
+        def load(first_token, from_temp: bool):
+          """This thread's items of tokens from ``first_token`` (i32): (ok, tgt, token, value)."""
+          items = []
+          for step in range(g.steps):
+            token = arith.addi(first_token, arith.addi(token0, c32(step * per_step)))
+            ok = col_ok
+            if g.rounds > 1 or (step + 1) * per_step > plan.tokens:
+              token_ok = ult(token, c32(plan.tokens))
+              ok = arith.andi(ok, token_ok)
+              token = arith.select(token_ok, token, c32(0))
+            at = [arith.index_cast(index, token)]
+            tgt, src = memref.load(tgt_ref, at), memref.load(src_ref, at)
+            ok = arith.andi(ok, arith.andi(ult(tgt, c32(plan.rows)), ult(src, c32(plan.rows))))
+            where = (address(temp_base, token) if from_temp
+                     else address(base, arith.select(ok, src, c32(0))))
+            items.append((ok, tgt, token, llvm.load(item_ty, where, alignment=g.item_bytes)))
+          return items
+
+        def store(items, to_temp: bool):
+          for ok, tgt, token, value in items:
+            if_ok = scf.IfOp(ok)
+            with ir.InsertionPoint(if_ok.then_block):
+              where = address(temp_base, token) if to_temp else address(base, tgt)
+              llvm.store(value, where, alignment=g.item_bytes)
+              scf.yield_([])
+
+        if g.rounds == 1:
+          items = load(c32(0), False)
+          # Every load of the program is performed before any of its stores (bar.sync).
+          mgpu_utils.warpgroup_barrier()
+          store(items, False)
+        else:
+          first_of = lambda r: arith.muli(r, c32(per_round))
+          endangered = arith.cmpi(arith.CmpIPredicate.ne,
+                                  memref.load(flag_ref, [mgpu_utils.c(0, index)]), c32(0))
+          if_endangered = scf.IfOp(endangered, has_else=True)
+          with ir.InsertionPoint(if_endangered.then_block):
+            rounds_loop(g.rounds, lambda r: store(load(first_of(r), False), True))
+            mgpu_utils.warpgroup_barrier()  # the temporary is written (CTA-scope order)
+            rounds_loop(g.rounds, lambda r: store(load(first_of(r), True), False))
+            scf.yield_([])
+          with ir.InsertionPoint(if_endangered.else_block):
+            rounds_loop(g.rounds, lambda r: store(load(first_of(r), False), False))
             scf.yield_([])
         scf.yield_([])
 
-  copy(tgt_gmem, src_gmem, *buffers)
+  copy(tgt_gmem, src_gmem, *buffers, *extra)
 
 
 # ----------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from pallas_kernels.move import MoveTiling, move_pages, move_rows
 TWO_PASS = MoveTiling(token_path="two_pass")
 STREAM = MoveTiling(token_path="stream")
 DIRECT = MoveTiling(token_path="direct")
+ROUNDS = MoveTiling(token_path="direct", direct_rounds=True)
 STAGED = MoveTiling(token_path="staged")
 NARROW_FIRST = MoveTiling(token_path="stream", stream_programs=4096, stream_min_chunk=4,
                           stream_narrow_first=True)
@@ -248,12 +249,13 @@ def lower_for_cuda(fn, buffers, count):
 
 @pytest.mark.parametrize("kind, count, launches", [
     ("direct", 40, 1), ("direct", 2048, 1), ("stream", 40, 1), ("staged", 40, 1),
-    ("two_pass", 40, 2), ("pages", 40, 1),
+    ("two_pass", 40, 2), ("pages", 40, 1), ("rounds", 4096, 1),
     ("pages_two_pass", 40, 2), ("pdl", 40, 1), ("narrow_first", 40, 1)])
 def test_cuda_lowering_aliases_every_buffer(kind, count, launches):
   buffers = make_buffers(np.random.default_rng(0), rows=4096 + 64, plain_layers=3)
   fn = {
       "direct": move_rows,
+      "rounds": lambda b, t, s: move_rows(b, t, s, tiling=ROUNDS),
       "stream": lambda b, t, s: move_rows(b, t, s, tiling=STREAM),
       "staged": lambda b, t, s: move_rows(b, t, s, tiling=STAGED),
       "two_pass": lambda b, t, s: move_rows(b, t, s, tiling=TWO_PASS),
@@ -340,6 +342,22 @@ def test_gpu_move_rows_61_layers_streamed(gpu_buffers, count):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("count, overlap", [(1500, True), (4096, True), (4096, False)])
+def test_gpu_direct_rounds_61_layers(gpu_buffers, count, overlap):
+  # T beyond the registers: rounds; overlapping sets take the temporary, disjoint ones not.
+  rng = np.random.default_rng(count + overlap)
+  if overlap:
+    tgt, src = hostile_pairs(rng, GPU_ROWS, count)
+  else:
+    perm = rng.permutation(GPU_ROWS)[:2 * count].astype(np.int32)
+    tgt, src = perm[:count], perm[count:]
+  want = jax.jit(reference_move)(gpu_buffers, jnp.asarray(tgt), jnp.asarray(src))
+  got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=ROUNDS))(gpu_buffers, tgt, src)
+  for g, w in zip(got, want):
+    assert bool(jnp.all(g.view(jnp.uint16) == w.view(jnp.uint16)))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("count", [5, 300, 2048])
 def test_gpu_direct_duplicate_targets(count):
   # Duplicated targets (and sources) on the GPU: every 16-byte item of a duplicated row is
@@ -372,7 +390,7 @@ def test_gpu_move_rows_per_token_head(count):
   tgt, src = hostile_pairs(rng, rows, count)
   tgt, src = np.array(tgt), np.array(src)
   src[np.flatnonzero((tgt >= 0) & (tgt < rows))[:1]] = rows - 1  # the last aligned scale window
-  for tiling in (MoveTiling(), DIRECT, STREAM, NARROW_FIRST, STAGED, TWO_PASS):
+  for tiling in (MoveTiling(), DIRECT, ROUNDS, STREAM, NARROW_FIRST, STAGED, TWO_PASS):
     got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=tiling))(buffers, tgt, src)
     assert_bits_equal(got, model_move(buffers, tgt, src))
 
@@ -407,13 +425,14 @@ def test_direct_plan_bands_cover_every_row_once():
       jax.ShapeDtypeStruct((4096, 1, 512), jnp.float8_e4m3fn),
       jax.ShapeDtypeStruct((4096, 1, 1), jnp.float32),
       jax.ShapeDtypeStruct((4096, 1, 64), jnp.bfloat16)]
-  tiling = MoveTiling()
-  for tokens in (1, 8, 64, 300, 1024):
+  for tiling, tokens in [(MoveTiling(), t) for t in (1, 8, 64, 300, 1024)] + [
+      (ROUNDS, 2048), (ROUNDS, 4096)]:
     plan = _direct_plan(buffers, tokens, tiling)
     owners = {}
     for g in plan.groups:
       assert g.band & (g.band - 1) == 0 and g.steps <= tiling.direct_items_per_thread
-      assert g.steps * (128 // g.band) >= tokens  # every token has a thread
+      assert g.rounds * g.steps * (128 // g.band) >= tokens  # every token has a thread
+      assert g.rounds == 1 or g.band == min(2, g.row_bytes // g.item_bytes)
       for m, k in enumerate(g.members):
         for band in range(g.bands):
           program = g.first + m * g.bands + band
@@ -425,4 +444,5 @@ def test_direct_plan_bands_cover_every_row_once():
             for c in range(max(1, b.shape[-1] * b.dtype.itemsize // 16))}
     assert set(owners) == want
     assert max(owners.values()) < plan.programs
-  assert _direct_plan(buffers, 4096 * 4, tiling) is None
+  assert _direct_plan(buffers, 4096 * 4, MoveTiling()) is None
+  assert _direct_plan(buffers, 4096, MoveTiling(direct_max_tokens=4096)) is not None  # C=1
