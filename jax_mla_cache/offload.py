@@ -54,8 +54,14 @@ class HostCopy:
 
   def __getitem__(self, layer_id: int):
     if self.stacked:
-      return tuple(tuple(np.asarray(x)[layer_id] for x in kinds) for kinds in self.stacked)
+      return tuple(tuple(x[layer_id] for x in kinds) for kinds in self._stacked_numpy)
     return self.chunks[layer_id]
+
+  @functools.cached_property
+  def _stacked_numpy(self) -> tuple[tuple[np.ndarray, ...], ...]:
+    """The stacked chunks as numpy arrays, fetched once per copy (indexing is for
+    inspection; the device path never uses it)."""
+    return tuple(tuple(np.asarray(x) for x in kinds) for kinds in self.stacked)
 
   def __len__(self) -> int:
     return self.stacked[0][0].shape[0] if self.stacked else len(self.chunks)
