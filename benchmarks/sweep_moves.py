@@ -49,15 +49,16 @@ TOKEN_VARIANTS = {
     "direct_p8192": T(token_path="direct", direct_programs=8192),
     "direct_i8": T(token_path="direct", direct_items_per_thread=8),
     "direct_i32": T(token_path="direct", direct_items_per_thread=32, direct_max_tokens=8192),
+    "rounds": T(token_path="direct", direct_rounds=True),  # rounds when T exceeds registers
     "two_pass": T(token_path="two_pass"),
     "xla": None,
 }
 SMALL_T_VARIANTS = ("default", "stream", "direct_p512", "direct_p2048", "direct_p8192", "xla")
-LARGE_T_VARIANTS = ("default", "stream", "direct_p2048", "direct_i8", "direct_i32", "xla")
-PTH_VARIANTS = ("default", "stream", "narrow_first", "direct_p2048", "direct_i32", "xla")
+LARGE_T_VARIANTS = ("default", "rounds", "stream", "direct_p2048", "direct_i8", "xla")
+PTH_VARIANTS = ("default", "rounds", "stream", "narrow_first", "direct_p2048", "xla")
 # Variants that only differ with one-element rows (per_token_head scales).
 PTH_ONLY_VARIANTS = {"narrow_first": T(token_path="stream", stream_narrow_first=True)}
-OVL_VARIANTS = ("default", "stream", "direct_i32", "xla")
+OVL_VARIANTS = ("default", "rounds", "stream", "xla")
 PAGE_VARIANTS = {
     "default": DEFAULT,
     "stream_item4k": T(stream_item_bytes=4096),
