@@ -582,7 +582,7 @@ class _DirectPlan:
   programs: int
 
   @property
-  def rounds(self) -> bool:
+  def in_rounds(self) -> bool:
     return any(g.rounds > 1 for g in self.groups)
 
 
@@ -640,10 +640,10 @@ def _direct(buffers, tgt, src, *, dplan: _DirectPlan, pdl: bool, tiling: MoveTil
   A duplicated target row may mix its writers by 16-byte items (as the row kernels).
   """
   rows = buffers[0].shape[0]
-  if dplan.rounds or tgt.dtype != jnp.int32 or src.dtype != jnp.int32:
+  if dplan.in_rounds or tgt.dtype != jnp.int32 or src.dtype != jnp.int32:
     tgt, src = _sanitize(tgt, src, rows)  # compares before narrowing
   args = (tgt, src)
-  if dplan.rounds:  # rounds need to know whether any source is some other pair's target
+  if dplan.in_rounds:  # rounds need to know whether any source is some other pair's target
     save = _endangered(tgt, src, rows, tiling.small_t_compare)
     args += (jnp.max(save, keepdims=True),)
 
@@ -671,11 +671,11 @@ def _direct_move(refs, tgt, src, *flag, plan: _DirectPlan, pdl: bool, interpret)
   # Rounds: a temporary per buffer for the endangered case (an output: only its memory is
   # needed; dropped right after).
   temp_types = tuple(jax.ShapeDtypeStruct((plan.tokens, *r.shape[1:]), r.dtype)
-                     for r in refs) if plan.rounds else ()
+                     for r in refs) if plan.in_rounds else ()
 
   def body(*args):
     tgt_gmem, src_gmem, *rest = args
-    flag_gmem = rest.pop(0) if plan.rounds else None
+    flag_gmem = rest.pop(0) if plan.in_rounds else None
     buffers, temps = rest[:len(refs)], rest[len(refs):]
     if pdl:
       plgpu.griddepcontrol_wait()
