@@ -6,6 +6,7 @@ Times `pallas_kernels.move.move_rows` (profiler device time per call, every GPU 
 listed) on buffer lists of 2**16 + 64 rows: plain bf16 rows (576) for 20, 61 and 183 buffers,
 and per_token_head parts (fp8 nope 512, f32 scale, bf16 rope 64) alone and together, at
 T = 8 and 64 (random distinct disjoint rows). The contents are zeros: only time is measured.
+`--select=chain --select=tree`: each case for each way of finding a buffer's address.
 `--rounds`: instead, the direct path in rounds (`MoveTiling(direct_rounds=True)`) against
 the default (streamed) path at T = 2048 and 4096, 61 layers of 2**18 + 64 rows, disjoint
 and overlapping (swaps) index sets.
@@ -49,7 +50,8 @@ def run(name, kinds, layers, tokens, iters=20, tiling=MoveTiling(), rows=None, s
 def main():
   print(f"diag_moves on {jax.devices()[0].device_kind}", flush=True)
   if "--rounds" in sys.argv:
-    rounds = MoveTiling(token_path="direct", direct_rounds=True)
+    sel = ([a.split("=", 1)[1] for a in sys.argv if a.startswith("--select=")] or ["chain"])[0]
+    rounds = MoveTiling(token_path="direct", direct_rounds=True, direct_select=sel)
     for tokens in (4096, 2048):
       for kinds, name in (([PLAIN], "plain"), ([NOPE, SCALE, ROPE], "per_token_head")):
         for tiling, label in ((rounds, "rounds"), (MoveTiling(), "default")):
@@ -59,15 +61,18 @@ def main():
             run(f"{name} {label}{' swaps' if swaps else ''}", kinds, 61, tokens, 10, tiling,
                 2**18 + 64, swaps)
     return
+  select = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--select=")]
   for tokens in (8, 64):
-    run("plain", [PLAIN], 20, tokens)
-    run("plain", [PLAIN], 61, tokens)
-    run("plain", [PLAIN], 183, tokens)
-    run("nope", [NOPE], 61, tokens)
-    run("scale", [SCALE], 61, tokens)
-    run("rope", [ROPE], 61, tokens)
-    run("nope+rope", [NOPE, ROPE], 61, tokens)
-    run("per_token_head", [NOPE, SCALE, ROPE], 61, tokens)
+    for sel in select or ["chain"]:
+      t = MoveTiling(direct_select=sel)
+      run(f"plain {sel}", [PLAIN], 20, tokens, tiling=t)
+      run(f"plain {sel}", [PLAIN], 61, tokens, tiling=t)
+      run(f"plain {sel}", [PLAIN], 183, tokens, tiling=t)
+      run(f"nope {sel}", [NOPE], 61, tokens, tiling=t)
+      run(f"scale {sel}", [SCALE], 61, tokens, tiling=t)
+      run(f"rope {sel}", [ROPE], 61, tokens, tiling=t)
+      run(f"nope+rope {sel}", [NOPE, ROPE], 61, tokens, tiling=t)
+      run(f"per_token_head {sel}", [NOPE, SCALE, ROPE], 61, tokens, tiling=t)
 
 
 if __name__ == "__main__":

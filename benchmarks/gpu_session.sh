@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, memcheck with hostile slots, diagnostics, benchmark.
 # Usage (device tool): bash benchmarks/gpu_session.sh
-#   [tests|moves|sanitize|diag|diag_moves|bench|sweep]...
+#   [tests|moves|sanitize|diag|diag_moves|ptx|bench|sweep]...  (DIAG_ARGS: diag_moves flags)
 #
 # Budget notes (H200, jax 0.11.2): lowering one 61-layer Mosaic move kernel takes ~20 s of
 # host time, so every new T or variant costs that much; the full benchmark takes ~5 min and
@@ -31,7 +31,12 @@ if want diag; then
   timeout 100 python3 benchmarks/diag_gpu.py 2>&1 | tee "$OUT/diag.log"
 fi
 if want diag_moves; then   # the direct move path's cost vs number and kind of buffers
-  timeout 150 python3 benchmarks/diag_moves.py 2>&1 | tee "$OUT/diag_moves.log"
+  timeout ${DIAG_TIMEOUT:-150} python3 benchmarks/diag_moves.py ${DIAG_ARGS:-} 2>&1 \
+    | tee -a "$OUT/diag_moves.log"
+fi
+if want ptx; then   # the direct kernel's PTX and SASS for 61 per_token_head layers
+  MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO="$OUT/ptx" \
+    timeout 120 python3 benchmarks/dump_move_ptx.py > "$OUT/ptx.log" 2>&1; tail -3 "$OUT/ptx.log"
 fi
 if want bench; then
   timeout 360 python3 -m jax_mla_cache bench --iters 10 --out "$OUT/h200.json" 2>&1 | tee "$OUT/bench.log"

@@ -113,6 +113,9 @@ class MoveTiling:
     direct_rounds: direct path: when T items do not fit the registers, move them in rounds
       (XLA computes "any source endangered"; if so, each program first copies its band of
       the sources to a temporary). Off by default until the H200 measures it.
+    direct_select: direct path: how a program picks its buffer's base address among the
+      buffers of its row layout: "chain" (a select per buffer, every address read) or
+      "tree" (branches on the program-uniform buffer number, one address read).
   """
 
   staged_smem_bytes: int = 160 * 1024
@@ -135,6 +138,7 @@ class MoveTiling:
   direct_items_per_thread: int = 32
   direct_programs: int = 1024
   direct_rounds: bool = False
+  direct_select: str = "chain"
 
 
 DEFAULT_TILING = MoveTiling()
@@ -172,6 +176,9 @@ def move_rows(
   if path not in ("auto", "direct", "stream", "staged", "two_pass"):
     raise ValueError(
         f"tiling.token_path: expected auto/direct/stream/staged/two_pass, got {path!r}")
+  if tiling.direct_select not in ("chain", "tree"):
+    raise ValueError(
+        f"tiling.direct_select: expected chain/tree, got {tiling.direct_select!r}")
   if tgt.shape[0] == 0 or not buffers:
     return buffers
   rows = buffers[0].shape[0]
@@ -580,6 +587,7 @@ class _DirectPlan:
   rows: int
   groups: tuple[_DirectGroup, ...]
   programs: int
+  select: str = "chain"  # how a program finds its buffer's address: "chain" or "tree"
 
   @property
   def in_rounds(self) -> bool:
@@ -626,7 +634,8 @@ def _direct_plan(buffers, num_tokens: int, tiling: MoveTiling):
     groups.append(_DirectGroup(tuple(members), first, bands, row_bytes, item, band,
                                steps(band)))
     first += len(members) * bands
-  return _DirectPlan(num_tokens, buffers[0].shape[0], tuple(groups), first)
+  return _DirectPlan(num_tokens, buffers[0].shape[0], tuple(groups), first,
+                     tiling.direct_select)
 
 
 def _direct(buffers, tgt, src, *, dplan: _DirectPlan, pdl: bool, tiling: MoveTiling):
@@ -739,11 +748,26 @@ def _direct_copy(plan: _DirectPlan, tgt_gmem, src_gmem, buffers, flag_gmem=None,
 
         def select_base(refs_):
           address_of = lambda k: llvm.ptrtoint(i64, mgpu_utils.memref_ptr(refs_[k]))
-          base = address_of(g.members[0])
-          for m, k in enumerate(g.members[1:], 1):
-            base = arith.select(arith.cmpi(arith.CmpIPredicate.eq, member, c32(m)),
-                                address_of(k), base)
-          return base
+          if plan.select == "chain":  # every thread reads every member's address
+            base = address_of(g.members[0])
+            for m, k in enumerate(g.members[1:], 1):
+              base = arith.select(arith.cmpi(arith.CmpIPredicate.eq, member, c32(m)),
+                                  address_of(k), base)
+            return base
+
+          def tree(lo: int, hi: int):
+            """``member`` is uniform per program: log2 branches, one address read."""
+            if hi - lo == 1:
+              return address_of(g.members[lo])
+            mid = (lo + hi) // 2
+            branch = scf.IfOp(ult(member, c32(mid)), [i64], has_else=True)
+            with ir.InsertionPoint(branch.then_block):
+              scf.yield_([tree(lo, mid)])
+            with ir.InsertionPoint(branch.else_block):
+              scf.yield_([tree(mid, hi)])
+            return branch.result
+
+          return tree(0, len(g.members))
 
         base = select_base(bufs)
         temp_base = select_base(temp_refs) if g.rounds > 1 else None

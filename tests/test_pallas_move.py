@@ -22,6 +22,8 @@ TWO_PASS = MoveTiling(token_path="two_pass")
 STREAM = MoveTiling(token_path="stream")
 DIRECT = MoveTiling(token_path="direct")
 ROUNDS = MoveTiling(token_path="direct", direct_rounds=True)
+TREE = MoveTiling(token_path="direct", direct_select="tree")
+TREE_ROUNDS = MoveTiling(token_path="direct", direct_rounds=True, direct_select="tree")
 STAGED = MoveTiling(token_path="staged")
 NARROW_FIRST = MoveTiling(token_path="stream", stream_programs=4096, stream_min_chunk=4,
                           stream_narrow_first=True)
@@ -249,13 +251,16 @@ def lower_for_cuda(fn, buffers, count):
 
 @pytest.mark.parametrize("kind, count, launches", [
     ("direct", 40, 1), ("direct", 2048, 1), ("stream", 40, 1), ("staged", 40, 1),
-    ("two_pass", 40, 2), ("pages", 40, 1), ("rounds", 4096, 1),
+    ("two_pass", 40, 2), ("pages", 40, 1), ("rounds", 4096, 1), ("tree", 40, 1),
+    ("tree_rounds", 4096, 1),
     ("pages_two_pass", 40, 2), ("pdl", 40, 1), ("narrow_first", 40, 1)])
 def test_cuda_lowering_aliases_every_buffer(kind, count, launches):
   buffers = make_buffers(np.random.default_rng(0), rows=4096 + 64, plain_layers=3)
   fn = {
       "direct": move_rows,
       "rounds": lambda b, t, s: move_rows(b, t, s, tiling=ROUNDS),
+      "tree": lambda b, t, s: move_rows(b, t, s, tiling=TREE),
+      "tree_rounds": lambda b, t, s: move_rows(b, t, s, tiling=TREE_ROUNDS),
       "stream": lambda b, t, s: move_rows(b, t, s, tiling=STREAM),
       "staged": lambda b, t, s: move_rows(b, t, s, tiling=STAGED),
       "two_pass": lambda b, t, s: move_rows(b, t, s, tiling=TWO_PASS),
@@ -352,9 +357,10 @@ def test_gpu_direct_rounds_61_layers(gpu_buffers, count, overlap):
     perm = rng.permutation(GPU_ROWS)[:2 * count].astype(np.int32)
     tgt, src = perm[:count], perm[count:]
   want = jax.jit(reference_move)(gpu_buffers, jnp.asarray(tgt), jnp.asarray(src))
-  got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=ROUNDS))(gpu_buffers, tgt, src)
-  for g, w in zip(got, want):
-    assert bool(jnp.all(g.view(jnp.uint16) == w.view(jnp.uint16)))
+  for tiling in (ROUNDS, TREE_ROUNDS):
+    got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=tiling))(gpu_buffers, tgt, src)
+    for g, w in zip(got, want):
+      assert bool(jnp.all(g.view(jnp.uint16) == w.view(jnp.uint16)))
 
 
 @pytest.mark.gpu
@@ -390,7 +396,8 @@ def test_gpu_move_rows_per_token_head(count):
   tgt, src = hostile_pairs(rng, rows, count)
   tgt, src = np.array(tgt), np.array(src)
   src[np.flatnonzero((tgt >= 0) & (tgt < rows))[:1]] = rows - 1  # the last aligned scale window
-  for tiling in (MoveTiling(), DIRECT, ROUNDS, STREAM, NARROW_FIRST, STAGED, TWO_PASS):
+  for tiling in (MoveTiling(), DIRECT, ROUNDS, TREE, TREE_ROUNDS, STREAM, NARROW_FIRST,
+                 STAGED, TWO_PASS):
     got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=tiling))(buffers, tgt, src)
     assert_bits_equal(got, model_move(buffers, tgt, src))
 
