@@ -453,3 +453,40 @@ def test_direct_plan_bands_cover_every_row_once():
     assert max(owners.values()) < plan.programs
   assert _direct_plan(buffers, 4096 * 4, MoveTiling()) is None
   assert _direct_plan(buffers, 4096, MoveTiling(direct_max_tokens=4096)) is not None  # C=1
+
+
+@pytest.mark.parametrize("layout, count, want", [
+    ("plain", 1024, "direct"), ("plain", 4096, "stream"), ("pth", 1024, "direct"),
+    ("pth", 4096, "rounds"), ("pth", 8192, "two_pass")])
+def test_auto_path_choice(monkeypatch, layout, count, want):
+  # "auto": direct up to 1024 tokens; beyond, per_token_head (one-element scale rows) takes
+  # the direct path in rounds up to 4096 and plain rows the streamed path (H200 figures in
+  # MoveTiling's docstring).
+  from pallas_kernels import move
+  taken = []
+  for name in ("_direct", "_stream", "_two_pass"):
+    def spy(*args, _name=name, _fn=getattr(move, name), **kwargs):
+      taken.append(_name if _name != "_direct" or not kwargs["dplan"].in_rounds else "rounds")
+      return _fn(*args, **kwargs)
+    monkeypatch.setattr(move, name, spy)
+  if layout == "plain":
+    buffers = [jax.ShapeDtypeStruct((2**16 + 64, 1, 576), jnp.bfloat16)] * 2
+  else:
+    buffers = [jax.ShapeDtypeStruct((2**16 + 64, 1, 512), jnp.float8_e4m3fn),
+               jax.ShapeDtypeStruct((2**16 + 64, 1, 1), jnp.float32),
+               jax.ShapeDtypeStruct((2**16 + 64, 1, 64), jnp.bfloat16)]
+  lower_for_cuda(move_rows, buffers, count)
+  assert [t.strip("_") for t in taken] == [want]
+
+
+def test_direct_select_auto():
+  from pallas_kernels.move import _direct_plan
+  plain = [jax.ShapeDtypeStruct((4096, 1, 576), jnp.bfloat16)] * 3
+  pth = [jax.ShapeDtypeStruct((4096, 1, 512), jnp.float8_e4m3fn),
+         jax.ShapeDtypeStruct((4096, 1, 1), jnp.float32)]
+  assert _direct_plan(plain, 8, MoveTiling()).select == "chain"
+  assert _direct_plan(pth, 8, MoveTiling()).select == "tree"
+  assert _direct_plan(pth, 8, MoveTiling(direct_select="chain")).select == "chain"
+  with pytest.raises(ValueError, match="direct_select"):
+    move_rows([jnp.zeros((8, 1, 576), jnp.bfloat16)], jnp.zeros(1, jnp.int32),
+              jnp.zeros(1, jnp.int32), tiling=MoveTiling(direct_select="binary"))
