@@ -19,12 +19,17 @@ Design (one Mosaic GPU program never races another because each owns distinct by
   a barrier (``bar.sync``: every load of the program is performed), then store them to the
   T target rows, skipping pairs with an index out of range. No other program touches those
   bytes, so this is the snapshot for any overlap. The code is written at the thread level
-  (``inline_mgpu``) and picks each program's buffer address with selects, so it exists once
-  per row layout: 61 layers lower in a fraction of a second. Interpret mode has no
-  thread-level code and runs the streamed path below instead (same results).
-* Token moves, streamed path (the default above that, up to T ~ 4096; one launch): XLA marks the
-  "endangered" sources (targets of another pair; an O(T^2) compare fused in one kernel for
-  T <= 1024) and a flag "any endangered". Programs run over (buffer, chunk of tokens) and
+  (``inline_mgpu``) and picks each program's buffer address with selects or uniform
+  branches, so it exists once per row layout: 61 layers lower in a fraction of a second.
+  Interpret mode has no thread-level code and runs the streamed path below instead (same
+  results). When T items do not fit the registers the direct path can run in rounds
+  (``MoveTiling.direct_rounds``; the default up to T=4096 for buffer sets with one-element
+  rows): XLA computes "any source is another pair's target"; if none is, each round loads
+  then stores; otherwise each program first copies its band of all sources to a
+  temporary, meets at a barrier, then copies the temporary to the targets.
+* Token moves, streamed path (the default above that for plain rows, up to T ~ 4096; one
+  launch): XLA marks the "endangered" sources (targets of another pair; an O(T^2) compare
+  fused in one kernel for T <= 1024) and a flag "any endangered". Programs run over (buffer, chunk of tokens) and
   copy whole rows (one bulk copy per row each way) through a ring of shared-memory slots,
   loads running ahead of stores. With no endangered source (disjoint sets) no program can
   write a byte another reads, so all chunks run in parallel. Otherwise only the first
