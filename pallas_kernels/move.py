@@ -29,9 +29,9 @@ Design (one Mosaic GPU program never races another because each owns distinct by
   temporary, meets at a barrier, then copies the temporary to the targets.
 * Token moves, streamed path (the default above that for plain rows, up to T ~ 4096; one
   launch): XLA marks the "endangered" sources (targets of another pair; an O(T^2) compare
-  fused in one kernel for T <= 1024) and a flag "any endangered". Programs run over (buffer, chunk of tokens) and
-  copy whole rows (one bulk copy per row each way) through a ring of shared-memory slots,
-  loads running ahead of stores. With no endangered source (disjoint sets) no program can
+  fused in one kernel for T <= 1024) and a flag "any endangered". Programs run over
+  (buffer, chunk of tokens) and copy whole rows (one bulk copy per row each way) through a
+  ring of shared-memory slots, loads running ahead of stores. With no endangered source (disjoint sets) no program can
   write a byte another reads, so all chunks run in parallel. Otherwise only the first
   program of each buffer works, on all T tokens of its buffer: it saves the endangered
   sources to a temporary, waits for those writes, then moves every pair; it owns the
