@@ -9,7 +9,8 @@ T = 8 and 64 (random distinct disjoint rows). The contents are zeros: only time 
 `--select=chain --select=tree`: each case for each way of finding a buffer's address.
 `--rounds`: instead, the direct path in rounds (`MoveTiling(direct_rounds=True)`) against
 the default (streamed) path at T = 2048 and 4096, 61 layers of 2**18 + 64 rows, disjoint
-and overlapping (swaps) index sets.
+and overlapping (swaps) index sets. `--large`: the same at T = 8192 and 16384, rounds
+against the default (two-pass) path.
 """
 
 from __future__ import annotations
@@ -49,6 +50,15 @@ def run(name, kinds, layers, tokens, iters=20, tiling=MoveTiling(), rows=None, s
 
 def main():
   print(f"diag_moves on {jax.devices()[0].device_kind}", flush=True)
+  if "--large" in sys.argv:  # beyond the streamed path's indices: rounds vs two-pass
+    rounds = MoveTiling(token_path="direct", direct_rounds=True)
+    for tokens in (8192, 16384):
+      for kinds, name in (([PLAIN], "plain"), ([NOPE, SCALE, ROPE], "per_token_head")):
+        for tiling, label in ((rounds, "rounds"), (MoveTiling(), "default")):
+          for swaps in (False, True):
+            run(f"{name} {label}{' swaps' if swaps else ''}", kinds, 61, tokens, 5, tiling,
+                2**18 + 64, swaps)
+    return
   if "--rounds" in sys.argv:
     sel = ([a.split("=", 1)[1] for a in sys.argv if a.startswith("--select=")] or ["chain"])[0]
     rounds = MoveTiling(token_path="direct", direct_rounds=True, direct_select=sel)
