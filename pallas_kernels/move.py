@@ -123,7 +123,10 @@ class MoveTiling:
       disjoint / 327 us swaps vs the streamed path's 463 us; for plain rows the streamed
       path is faster: 215 vs 271 us). True: for every buffer set; False: never.
     direct_rounds_max_tokens: with rounds on, "auto" takes the direct path up to this T
-      (the temporary holds T rows of every buffer).
+      (the temporary holds T rows of every buffer). Beyond it: measured on the H200 at
+      T=8192, plain rows in rounds match the two-pass path (485 vs 483 us) but
+      per_token_head's took 2268 us (cause not found; its scale rows move in rounds there
+      too), so "auto" leaves larger T to the streamed / two-pass paths.
     direct_select: direct path: how a program picks its buffer's base address among the
       buffers of its row layout: "chain" (a select per buffer: every thread reads every
       address), "tree" (branches on the program-uniform buffer number, one address read),
