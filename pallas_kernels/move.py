@@ -154,7 +154,7 @@ class MoveTiling:
   direct_items_per_thread: int = 32
   direct_programs: int = 1024
   direct_rounds: bool | None = None
-  direct_rounds_max_tokens: int = 4096
+  direct_rounds_max_tokens: int = 16384
   direct_select: str = "auto"
 
 
@@ -623,9 +623,7 @@ class _DirectPlan:
 
 def _direct_plan(buffers, num_tokens: int, tiling: MoveTiling):
   """Column bands per row layout, or None when T rows do not fit the threads' registers
-  (or the interpret-mode stand-in, the streamed path, has no plan)."""
-  if _stream_plan(buffers, num_tokens, tiling) is None:
-    return None
+  (and ``tiling.direct_rounds`` is off)."""
   layouts: dict[tuple[int, int], list[int]] = {}
   for k, b in enumerate(buffers):
     row_bytes = math.prod(b.shape[1:]) * b.dtype.itemsize
@@ -695,10 +693,14 @@ def _direct(buffers, tgt, src, *, dplan: _DirectPlan, pdl: bool, tiling: MoveTil
 
 
 def _direct_stand_in(buffers, tgt, src, flag=None, *, pdl: bool, tiling: MoveTiling):
-  """Interpret mode has no thread-level code: the streamed path, same semantics."""
+  """Interpret mode has no thread-level code: the streamed path (two-pass when T indices
+  do not fit it), same semantics."""
   del flag
   tgt, src = _sanitize(tgt, src, buffers[0].shape[0])
   splan = _stream_plan(buffers, tgt.shape[0], tiling)
+  if splan is None:
+    return _two_pass(buffers, tgt, src, unit_rows=1, pdl=pdl, tiling=tiling,
+                     interpret=common.interpret_params())
   args = _stream_inputs(buffers, tgt, src, splan=splan, tiling=tiling)
   return _in_place(_stream_runner(splan, pdl, tiling), common.interpret_params(),
                    buffers, *args)
@@ -1142,8 +1144,14 @@ def _item_rows(buffers, unit_rows: int, tiling: MoveTiling) -> int:
   return 1  # one-element buffers then take the narrow path
 
 
-def _two_pass(buffers, tgt, src, *, unit_rows: int, pdl: bool, tiling: MoveTiling):
-  """Pass 1 saves endangered sources to temporaries; pass 2 moves every pair."""
+def _two_pass(buffers, tgt, src, *, unit_rows: int, pdl: bool, tiling: MoveTiling,
+              interpret=None):
+  """Pass 1 saves endangered sources to temporaries; pass 2 moves every pair.
+
+  ``interpret``: interpret-mode parameters to run both passes in interpret mode directly
+  (inside another kernel's interpret branch); None dispatches per lowering platform.
+  """
+  on_platform = _on_platform if interpret is None else (lambda fn, *a: fn(interpret, *a))
   rows = buffers[0].shape[0]
   item_rows = _item_rows(buffers, unit_rows, tiling)
   narrow = [_is_narrow(b, item_rows) for b in buffers]
@@ -1164,11 +1172,11 @@ def _two_pass(buffers, tgt, src, *, unit_rows: int, pdl: bool, tiling: MoveTilin
   num_items = item_src.shape[0]
   shape = dict(num_items=num_items, per_program=per_program, item_rows=item_rows, pdl=pdl)
   views = [_rows_view(b) for b in buffers]
-  temps = _on_platform(
+  temps = on_platform(
       functools.partial(_save_endangered, narrow=narrow, **shape),
       views, item_src, item_save)
   run = functools.partial(_move_items, narrow=narrow, **shape)
-  return _on_platform(functools.partial(_in_place, run),
+  return on_platform(functools.partial(_in_place, run),
                       buffers, item_src, item_tgt, item_save, temps)
 
 

@@ -457,11 +457,11 @@ def test_direct_plan_bands_cover_every_row_once():
 
 @pytest.mark.parametrize("layout, count, want", [
     ("plain", 1024, "direct"), ("plain", 4096, "stream"), ("pth", 1024, "direct"),
-    ("pth", 4096, "rounds"), ("pth", 8192, "two_pass")])
+    ("pth", 4096, "rounds"), ("pth", 16384, "rounds"), ("pth", 32768, "two_pass")])
 def test_auto_path_choice(monkeypatch, layout, count, want):
   # "auto": direct up to 1024 tokens; beyond, per_token_head (one-element scale rows) takes
-  # the direct path in rounds up to 4096 and plain rows the streamed path (H200 figures in
-  # MoveTiling's docstring).
+  # the direct path in rounds up to 16384 and plain rows the streamed path, then two-pass
+  # (H200 figures in MoveTiling's docstring).
   from pallas_kernels import move
   taken = []
   for name in ("_direct", "_stream", "_two_pass"):
@@ -490,3 +490,31 @@ def test_direct_select_auto():
   with pytest.raises(ValueError, match="direct_select"):
     move_rows([jnp.zeros((8, 1, 576), jnp.bfloat16)], jnp.zeros(1, jnp.int32),
               jnp.zeros(1, jnp.int32), tiling=MoveTiling(direct_select="binary"))
+
+
+def test_direct_stand_in_beyond_the_streamed_indices():
+  # Interpret mode runs the direct path's stand-in: the streamed path, or two-pass when the
+  # T indices do not fit its shared memory (here forced by a tiny stream_index_bytes).
+  rng = np.random.default_rng(7)
+  buffers = make_buffers(rng, rows=256, plain_layers=1, trio_layers=1)
+  tgt, src = hostile_pairs(rng, 256, 40)
+  tiling = MoveTiling(token_path="direct", direct_rounds=True, stream_index_bytes=256)
+  got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=tiling))(buffers, tgt, src)
+  assert_bits_equal(got, model_move(buffers, tgt, src))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count, overlap", [(8192, True), (8192, False), (16384, True)])
+def test_gpu_per_token_head_rounds_large_t(count, overlap):
+  # Beyond the streamed path's indices per_token_head takes the direct path in rounds,
+  # the one-element scale rows too.
+  rng = np.random.default_rng(count + overlap)
+  rows = 2 * count + 64
+  buffers = make_buffers(rng, rows=rows, plain_layers=0, trio_layers=3)
+  if overlap:
+    tgt, src = hostile_pairs(rng, rows, count)
+  else:
+    perm = rng.permutation(rows)[:2 * count].astype(np.int32)
+    tgt, src = perm[:count], perm[count:]
+  got = jax.jit(move_rows)(buffers, tgt, src)
+  assert_bits_equal(got, model_move(buffers, tgt, src))
