@@ -23,7 +23,7 @@ Design (one Mosaic GPU program never races another because each owns distinct by
   branches, so it exists once per row layout: 61 layers lower in a fraction of a second.
   Interpret mode has no thread-level code and runs the streamed path below instead (same
   results). When T items do not fit the registers the direct path can run in rounds
-  (``MoveTiling.direct_rounds``; the default up to T=4096 for buffer sets with one-element
+  (``MoveTiling.direct_rounds``; the default up to T=16384 for buffer sets with one-element
   rows): XLA computes "any source is another pair's target"; if none is, each round loads
   then stores; otherwise each program first copies its band of all sources to a
   temporary, meets at a barrier, then copies the temporary to the targets.
@@ -123,10 +123,10 @@ class MoveTiling:
       disjoint / 327 us swaps vs the streamed path's 463 us; for plain rows the streamed
       path is faster: 215 vs 271 us). True: for every buffer set; False: never.
     direct_rounds_max_tokens: with rounds on, "auto" takes the direct path up to this T
-      (the temporary holds T rows of every buffer). Beyond it: measured on the H200 at
-      T=8192, plain rows in rounds match the two-pass path (485 vs 483 us) but
-      per_token_head's took 2268 us (cause not found; its scale rows move in rounds there
-      too), so "auto" leaves larger T to the streamed / two-pass paths.
+      (the temporary holds T rows of every buffer), beyond it two-pass. H200, 61
+      per_token_head layers: rounds 355 / 732 us at T=8192 / 16384 (643 / 1278 us when
+      every source is a target) where two-pass took 2268 us at T=8192; plain rows stay on
+      two-pass there (483 us at T=8192 vs 547 in rounds).
     direct_select: direct path: how a program picks its buffer's base address among the
       buffers of its row layout: "chain" (a select per buffer: every thread reads every
       address), "tree" (branches on the program-uniform buffer number, one address read),
