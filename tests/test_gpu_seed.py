@@ -28,13 +28,9 @@ def seed_quantize(nope_f32: np.ndarray, rope_f32: np.ndarray):
           rope_stored.view(torch.int16).cpu().numpy())
 
 
-@pytest.mark.parametrize("implementation", [
-    pytest.param("xla", marks=pytest.mark.xfail(
-        strict=False, reason="measured on the H200 (2026-12-02) before reference._round_to_f32: "
-        "the XLA path's stored bf16 ropes differed from the seed's in ~0.05-0.1% of elements by "
-        "one ulp (XLA:GPU elides the f32 step of f64->f32->bf16); the bit-level rounding that "
-        "should close it has not run on a GPU yet")),
-    "pallas"])
+# Both implementations store the seed's bytes (XLA: since reference._round_to_f32; its
+# xfail mark from 2026-12-02 came off after it passed on the H200 on 2026-12-03, code 89a9958).
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
 def test_per_token_head_bytes_equal_seed_torch(implementation):
   cfg = mc.DEEPSEEK_V3_FP8.replace(size=65536 - 64, layer_num=1)
   rng = np.random.default_rng(7)
