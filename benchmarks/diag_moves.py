@@ -50,6 +50,7 @@ def run(name, kinds, layers, tokens, iters=20, tiling=MoveTiling(), rows=None, s
 
 def main():
   print(f"diag_moves on {jax.devices()[0].device_kind}", flush=True)
+  select = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--select=")]
   if "--large" in sys.argv:  # beyond the streamed path's indices: rounds vs two-pass
     rounds = MoveTiling(token_path="direct", direct_rounds=True)
     for tokens in (8192, 16384):
@@ -62,8 +63,8 @@ def main():
                 2**18 + 64, swaps)
     return
   if "--rounds" in sys.argv:
-    sel = ([a.split("=", 1)[1] for a in sys.argv if a.startswith("--select=")] or ["chain"])[0]
-    rounds = MoveTiling(token_path="direct", direct_rounds=True, direct_select=sel)
+    rounds = MoveTiling(token_path="direct", direct_rounds=True,
+                        direct_select=(select or ["chain"])[0])
     for tokens in (4096, 2048):
       for kinds, name in (([PLAIN], "plain"), ([NOPE, SCALE, ROPE], "per_token_head")):
         for tiling, label in ((rounds, "rounds"), (MoveTiling(), "default")):
@@ -73,7 +74,6 @@ def main():
             run(f"{name} {label}{' swaps' if swaps else ''}", kinds, 61, tokens, 10, tiling,
                 2**18 + 64, swaps)
     return
-  select = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--select=")]
   for tokens in (8, 64):
     for sel in select or ["chain"]:
       t = MoveTiling(direct_select=sel)

@@ -31,12 +31,12 @@ Design (one Mosaic GPU program never races another because each owns distinct by
   launch): XLA marks the "endangered" sources (targets of another pair; an O(T^2) compare
   fused in one kernel for T <= 1024) and a flag "any endangered". Programs run over
   (buffer, chunk of tokens) and copy whole rows (one bulk copy per row each way) through a
-  ring of shared-memory slots, loads running ahead of stores. With no endangered source (disjoint sets) no program can
-  write a byte another reads, so all chunks run in parallel. Otherwise only the first
-  program of each buffer works, on all T tokens of its buffer: it saves the endangered
-  sources to a temporary, waits for those writes, then moves every pair; it owns the
-  buffer, so this is the snapshot for any overlap. One-element rows (the per_token_head
-  scale) get one program per buffer: on the GPU its threads hold all T elements in
+  ring of shared-memory slots, loads running ahead of stores. With no endangered source
+  (disjoint sets) no program can write a byte another reads, so all chunks run in parallel.
+  Otherwise only the first program of each buffer works, on all T tokens of its buffer: it
+  saves the endangered sources to a temporary, waits for those writes, then moves every
+  pair; it owns the buffer, so this is the snapshot for any overlap. One-element rows (the
+  per_token_head scale) get one program per buffer: on the GPU its threads hold all T elements in
   registers, as the direct path; in interpret mode it reads every 16-byte window before any
   scalar store.
   Page moves use the same path on buffers viewed as blocks of whole rows (a free reshape).
@@ -370,7 +370,7 @@ def _rows_view(buffer):
 
 def _is_narrow(buffer, rows_per_item: int) -> bool:
   """Whether an item of ``rows_per_item`` rows is too small for a bulk copy."""
-  row_bytes = math.prod(buffer.shape[1:]) * buffer.dtype.itemsize
+  row_bytes = _row_bytes(buffer)
   return (rows_per_item * row_bytes) % _BULK_ALIGN != 0
 
 
@@ -626,10 +626,10 @@ def _direct_plan(buffers, num_tokens: int, tiling: MoveTiling):
   (and ``tiling.direct_rounds`` is off)."""
   layouts: dict[tuple[int, int], list[int]] = {}
   for k, b in enumerate(buffers):
-    row_bytes = math.prod(b.shape[1:]) * b.dtype.itemsize
+    row_bytes = _row_bytes(b)
     item = b.dtype.itemsize if row_bytes % _BULK_ALIGN else _BULK_ALIGN
     layouts.setdefault((row_bytes, item), []).append(k)
-  total = sum(math.prod(b.shape[1:]) * b.dtype.itemsize for b in buffers)
+  total = sum(_row_bytes(b) for b in buffers)
   limit = tiling.direct_items_per_thread
   groups, first = [], 0
   for (row_bytes, item), members in layouts.items():
@@ -903,7 +903,7 @@ def _stream_pages(buffers, tgt, src, *, page_size, pdl, tiling: MoveTiling):
   (a free reshape), a page being ``page_size // item_rows`` consecutive blocks. None when
   no block size fits or the block indices do not fit shared memory."""
   rows = buffers[0].shape[0]
-  row_bytes = [math.prod(b.shape[1:]) * b.dtype.itemsize for b in buffers]
+  row_bytes = [_row_bytes(b) for b in buffers]
   item_rows = None
   for r in range(page_size, 0, -1):
     if (page_size % r == 0 and rows % r == 0 and max(row_bytes) * r <= tiling.stream_item_bytes
@@ -1136,7 +1136,7 @@ def _stream_wide(buffer, temp, tgt_smem, src_smem, save_smem, safe, part, *, chu
 
 def _item_rows(buffers, unit_rows: int, tiling: MoveTiling) -> int:
   """Rows per item: a divisor of ``unit_rows`` that keeps every buffer's item 16-byte sized."""
-  row_bytes = [math.prod(b.shape[1:]) * b.dtype.itemsize for b in buffers]
+  row_bytes = [_row_bytes(b) for b in buffers]
   limit = max(1, tiling.two_pass_smem_bytes // (4 * max(row_bytes)))
   for rows in range(min(unit_rows, limit), 0, -1):
     if unit_rows % rows == 0 and all(rows * r % _BULK_ALIGN == 0 for r in row_bytes):
@@ -1156,7 +1156,7 @@ def _two_pass(buffers, tgt, src, *, unit_rows: int, pdl: bool, tiling: MoveTilin
   item_rows = _item_rows(buffers, unit_rows, tiling)
   narrow = [_is_narrow(b, item_rows) for b in buffers]
   blocks = unit_rows // item_rows
-  item_bytes = max(math.prod(b.shape[1:]) * b.dtype.itemsize * item_rows for b in buffers)
+  item_bytes = max(_row_bytes(b) * item_rows for b in buffers)
   per_program = max(4, min(tiling.max_items_per_program,
                            tiling.two_pass_smem_bytes // item_bytes) // 4 * 4)
   # Per item (unit j, block s): first source row, first target row (-1: skip), saved?
@@ -1177,7 +1177,7 @@ def _two_pass(buffers, tgt, src, *, unit_rows: int, pdl: bool, tiling: MoveTilin
       views, item_src, item_save)
   run = functools.partial(_move_items, narrow=narrow, **shape)
   return on_platform(functools.partial(_in_place, run),
-                      buffers, item_src, item_tgt, item_save, temps)
+                     buffers, item_src, item_tgt, item_save, temps)
 
 
 def _temp_type(view, narrow: bool, num_items: int, item_rows: int):
