@@ -22,7 +22,7 @@ find_python() {
 
 setup() {
   local venv=".venv"
-  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import jax_mla_cache, pytest, chex' 2>/dev/null; then
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import jax_mla_cache, pytest, chex, safetensors' 2>/dev/null; then
     local py; py=$(find_python)
     echo "run.sh: setting up $venv with $("$py" --version)" >&2
     "$py" -m venv "$venv"

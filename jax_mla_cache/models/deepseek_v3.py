@@ -46,7 +46,8 @@ Supported: `model_type` "deepseek_v3" (sigmoid scores + `e_score_correction_bias
 "greedy" or "group_limited_greedy" with group max, the scaling factor applied only without
 `norm_topk_prob`, as DeepSeek's own V2 code); `q_lora_rank` null or not; `moe_layer_freq`;
 YaRN or no rope scaling; float32/bfloat16/float16 weights, and FP8 block-quantized weights
-with `weight_scale_inv` (dequantized on load). Weight layouts: the per-expert names of real
+with `weight_scale_inv` (DeepSeek-V3's release; blocks of `quantization_config.weight_block_size`,
+dequantized to float32 on load, then cast to the params' dtype). Weight layouts: the per-expert names of real
 checkpoints (`mlp.experts.{e}.gate_proj.weight`, ...) and transformers 5's fused in-memory
 names (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`). Layers past `num_hidden_layers`
 (DeepSeek-V3's multi-token-prediction layer 61) are ignored.
@@ -309,13 +310,23 @@ class SafetensorsDirectory:
       return f.get_tensor(name)
 
 
-def dequantize_fp8_block(weight: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
-  """DeepSeek-V3's FP8 checkpoint weights: (out, in) float8_e4m3fn times a per-block float32
-  `weight_scale_inv` (ceil(out/b), ceil(in/b)), b = out / rows of the scale (128) -> float32."""
+def dequantize_fp8_block(weight: np.ndarray, scale_inv: np.ndarray,
+                         block_size: tuple[int, int] = (128, 128)) -> np.ndarray:
+  """DeepSeek-V3's FP8 checkpoint weights -> float32.
+
+  Args:
+    weight: (out, in) float8_e4m3fn.
+    scale_inv: (ceil(out / block_size[0]), ceil(in / block_size[1])) float32, one per block
+      (the config's `quantization_config.weight_block_size`, [128, 128] for DeepSeek-V3).
+  Returns:
+    (out, in) float32 `weight * scale_inv[i // block_size[0], j // block_size[1]]`.
+  """
   out_dim, in_dim = weight.shape
-  rows, cols = scale_inv.shape
-  block_r, block_c = -(-out_dim // rows), -(-in_dim // cols)
-  scale = np.repeat(np.repeat(scale_inv.astype(np.float32), block_r, 0), block_c, 1)
+  rows, cols = -(-out_dim // block_size[0]), -(-in_dim // block_size[1])
+  if scale_inv.shape != (rows, cols):
+    raise ValueError(f"dequantize_fp8_block: scale_inv must have shape {(rows, cols)} for a "
+                     f"{weight.shape} weight in {tuple(block_size)} blocks, got {scale_inv.shape}")
+  scale = np.repeat(np.repeat(scale_inv.astype(np.float32), block_size[0], 0), block_size[1], 1)
   return weight.astype(np.float32) * scale[:out_dim, :in_dim]
 
 
@@ -336,7 +347,10 @@ def load_checkpoint(
     The params (module docstring for the layout).
   """
   with open(os.path.join(path, "config.json")) as f:
-    config = DeepseekConfig.from_hf(json.load(f))
+    hf_config = json.load(f)
+  config = DeepseekConfig.from_hf(hf_config)
+  quantization = hf_config.get("quantization_config") or {}
+  block_size = tuple(quantization.get("weight_block_size") or (128, 128))
   files = SafetensorsDirectory(path)
   dtype = jnp.dtype(dtype)
   put = functools.partial(jax.device_put, device=device)
@@ -349,7 +363,7 @@ def load_checkpoint(
       if scale_name not in files:
         raise NotImplementedError(f"load_checkpoint: {name} is {w.dtype} without a "
                                   f"{scale_name}: unknown FP8 scheme")
-      return dequantize_fp8_block(w, files.get(scale_name))
+      return dequantize_fp8_block(w, files.get(scale_name), block_size)
     return w.astype(np.float32)
 
   def linear(name: str, shape: tuple[int, ...] | None = None, keep=None) -> jax.Array:
