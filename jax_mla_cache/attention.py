@@ -212,5 +212,8 @@ def mla_decode(
   except TypeError:
     raise TypeError(f"mla_decode: sm_scale must be a float, got {type(sm_scale).__name__}") \
         from None
+  # Host integers are range-checked here, in their own width: inside the jit a numpy
+  # int64 array would already have been narrowed to int32 (2**32 + 5 -> 5).
+  page_table, seq_lens = _check_decode_args(cache, q, page_table, seq_lens, "mla_decode")
   return _mla_decode(cache, layer_id, q, page_table, seq_lens, sm_scale=sm_scale,
                      implementation=implementation)

@@ -281,11 +281,11 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
         def scores(s_ref):
           if quantized:
             plgpu.wgmma(s_ref, q_smem.at[:, pl.ds(0, R)],
-                        plgpu.transpose_ref(conv_smem, (1, 0)))
+                        conv_smem.transpose((1, 0)))
             plgpu.wgmma(s_ref, q_smem.at[:, pl.ds(R, Rr)],
-                        plgpu.transpose_ref(rope_smem.at[slot], (1, 0)))
+                        rope_smem.at[slot].transpose((1, 0)))
           else:
-            plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(kv_smem.at[slot], (1, 0)))
+            plgpu.wgmma(s_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
           return s_ref[...]
 
         s = pl.run_scoped(scores, plgpu.ACC((BLOCK_M, BLOCK_KV), F32))
@@ -393,6 +393,12 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
         def _():
           plgpu.barrier_wait(free_bar.at[slot])
         load(i)
+
+      # Observe the last blocks' releases too, so that every barrier phase is consumed
+      # when the program ends (the interpreter checks it; on the GPU it costs nothing).
+      @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
+      def _(i):
+        plgpu.barrier_wait(free_bar.at[lax.rem(i, stages)])
 
   per_block = 3 * copies if quantized else copies
   if quantized:
