@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, memcheck with hostile slots, diagnostics, benchmark.
 # Usage (device tool): bash benchmarks/gpu_session.sh
-#   [tests|moves|sanitize|diag|diag_moves|ptx|bench|sweep]...  (DIAG_ARGS: diag_moves flags)
+#   [tests|decode|decode_bench|moves|sanitize|diag|diag_moves|ptx|bench|sweep]...
+#   (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
 #
 # Budget notes (H200, jax 0.11.2): lowering one 61-layer Mosaic move kernel takes ~20 s of
 # host time, so every new T or variant costs that much; the full benchmark takes ~5 min and
@@ -18,6 +19,14 @@ if want tests; then   # everything but the 61-layer move kernels (~150 s)
   timeout -s INT 200 "${PYTEST[@]}" tests/test_gpu_host_tier.py tests/test_gpu_seed.py \
     tests/test_inplace.py tests/test_pallas_rows.py tests/test_sharding.py \
     > "$OUT/gpu_tests.log" 2>&1; tail -15 "$OUT/gpu_tests.log"
+fi
+if want decode; then  # mla_decode kernel vs the XLA reference
+  timeout -s INT ${DECODE_TIMEOUT:-240} "${PYTEST[@]}" --durations=5 tests/test_mla_decode.py \
+    > "$OUT/gpu_decode_tests.log" 2>&1; tail -25 "$OUT/gpu_decode_tests.log"
+fi
+if want decode_bench; then
+  timeout ${DECODE_BENCH_TIMEOUT:-240} python3 -m jax_mla_cache bench --ops decode --iters 10 \
+    --no-plot --out "$OUT/decode.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/decode_bench.log"
 fi
 if want moves; then   # 61-layer move kernels: ~20 s of lowering per streamed case
   timeout -s INT ${MOVES_TIMEOUT:-300} "${PYTEST[@]}" --durations=5 tests/test_pallas_move.py \

@@ -71,7 +71,37 @@ def main() -> int:
     print(f"{cfg.quant_method}: hostile slots {status} ({int(valid.sum())} valid of {tokens})",
           flush=True)
     failures += bool(bad)
+    failures += hostile_decode(cfg, rng)
   return failures
+
+
+def hostile_decode(cfg, rng) -> int:
+  """mla_decode with page ids outside the buffer (both signs, huge), zero, negative and
+  huge lengths, s_q = 2: the kernel must read nothing outside the layer and equal XLA."""
+  cache = mc.set_mla_kv_buffer(
+      mc.init_cache(cfg), 0, jnp.arange(cfg.rows),
+      jnp.asarray(rng.standard_normal((cfg.rows, 1, 512)), jnp.bfloat16),
+      jnp.asarray(rng.standard_normal((cfg.rows, 1, 64)), jnp.bfloat16))
+  npages = cfg.rows // cfg.page_size
+  B, P = 16, 40
+  table = rng.integers(0, npages, (B, P)).astype(np.int32)
+  table[:, ::3] = npages + rng.integers(0, 10**6, (B, (P + 2) // 3))
+  table[:, 1::5] = -rng.integers(1, 10**6, (B, (P + 3) // 5))
+  table[3] = npages                               # a sequence of only bad pages
+  lens = rng.integers(1, P * cfg.page_size, (B,)).astype(np.int32)
+  lens[:3] = (0, -5, 2**31 - 1)
+  q = jnp.asarray(rng.standard_normal((B, 2, 16, 576)) * 0.1, jnp.bfloat16)
+  out = {impl: jax.device_get(mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.05,
+                                            implementation=impl))
+         for impl in ("pallas", "xla")}
+  (o_p, l_p), (o_x, l_x) = out["pallas"], out["xla"]
+  o_p, o_x = np.asarray(o_p, np.float32), np.asarray(o_x, np.float32)
+  err = np.sqrt(((o_p - o_x) ** 2).sum() / max((o_x ** 2).sum(), 1e-30))
+  same_empty = np.array_equal(np.isneginf(l_p), np.isneginf(l_x))
+  ok = err < 1e-2 and same_empty and np.all(o_p[np.isneginf(l_x)] == 0)
+  print(f"{cfg.quant_method}: hostile mla_decode {'ok' if ok else 'MISMATCH'} "
+        f"(relative RMS {err:.2e}, empty queries agree: {same_empty})", flush=True)
+  return int(not ok)
 
 
 if __name__ == "__main__":

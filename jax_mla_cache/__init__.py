@@ -13,6 +13,7 @@ from jax_mla_cache.config import (
     SMALL_256,
     MLACacheConfig,
 )
+from jax_mla_cache.attention import mla_decode, mla_decode_reference
 from jax_mla_cache.dispatch import (
     IMPLEMENTATIONS,
     get_mla_kv_buffer,
@@ -33,6 +34,7 @@ __all__ = [
     "MLACacheConfig", "MLAKVCache", "init_cache", "cache_spec",
     "IMPLEMENTATIONS", "resolve_implementation",
     "set_kv_buffer", "set_mla_kv_buffer", "get_mla_kv_buffer", "move_kv_cache", "move_kv_pages",
+    "mla_decode", "mla_decode_reference",
     "HostCopy", "get_cpu_copy", "load_cpu_copy",
     "MLATokenToKVPool",
 ]

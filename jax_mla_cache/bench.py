@@ -57,6 +57,10 @@ class Record:
   layers: int
   us: float
   gbps: float
+  B: int | None = None
+  s_q: int | None = None
+  H: int | None = None
+  tflops: float | None = None
 
 
 def gpu_events(trace_dir: str) -> dict[str, int] | None:
@@ -195,6 +199,96 @@ def bench_moves(cfg: mc.MLACacheConfig, tokens_list, pages_list, impls, iters, r
     del cache
 
 
+DECODE_SHAPES = (
+    # (B, s_q, H, context): memory-bound (DeepSeek-V3's 128 heads over 8-way TP) ...
+    (64, 1, 16, 4096), (128, 1, 16, 4096), (64, 1, 16, 16384), (128, 1, 16, 16384),
+    # ... and compute-bound (all 128 heads, speculative s_q = 2)
+    (128, 1, 128, 4096), (128, 2, 128, 4096),
+)
+SMALL_DECODE_SHAPES = ((2, 1, 16, 256), (2, 2, 16, 128))
+
+
+def decode_cache(cfg: mc.MLACacheConfig, seed: int = 0) -> mc.MLAKVCache:
+  """A one-layer cache of `cfg` filled with random rows (never zeros: they time faster)."""
+  key = jax.random.key(seed)
+  k1, k2, k3 = jax.random.split(key, 3)
+
+  @jax.jit
+  def fill():
+    shapes = cfg.buffer_shapes()
+    if not cfg.quantized:
+      (shape, dtype), = shapes
+      return (jax.random.normal(k1, shape, jnp.float32).astype(dtype),)
+    (ns, nd), (ss, sd), (rs, rd) = shapes
+    nope = jnp.clip(jax.random.normal(k1, ns, jnp.float32) * 100, -448, 448).astype(nd)
+    scale = jax.random.uniform(k2, ss, jnp.float32, 0.001, 0.01).astype(sd)
+    rope = (jax.random.normal(k3, rs, jnp.float32) * 100).astype(rd)
+    return nope, scale, rope
+
+  return mc.MLAKVCache(buffers=(fill(),), config=cfg)
+
+
+def gather_attention(cache: mc.MLAKVCache, q, page_table, seq_lens, *, sm_scale: float,
+                     implementation: str):
+  """The read path without `mla_decode`: `get_mla_kv_buffer` of every context row, then
+  absorbed attention in XLA (bf16 products, float32 softmax), as engines do today."""
+  cfg = cache.config
+  B, s_q, H, W = q.shape
+  R = cfg.kv_lora_rank
+  L = page_table.shape[1] * cfg.page_size
+  rows, valid = mc.attention.positions_rows(page_table, cfg.page_size, cfg.rows)
+  nope, rope = mc.get_mla_kv_buffer(cache, 0, rows.reshape(-1), q.dtype,
+                                    implementation=implementation)
+  k = jnp.concatenate([nope, rope], -1).reshape(B, L, W)
+  s = jnp.einsum("bjhd,bld->bjhl", q, k, preferred_element_type=jnp.float32) * sm_scale
+  pos = jnp.arange(L)
+  limit = seq_lens[:, None] - s_q + jnp.arange(s_q)[None]
+  s = jnp.where((pos[None, None] <= limit[..., None])[:, :, None] & valid[:, None, None], s,
+                -jnp.inf)
+  p = jax.nn.softmax(s, axis=-1)
+  return jnp.einsum("bjhl,blr->bjhr", p.astype(q.dtype), k[..., :R],
+                    preferred_element_type=jnp.float32).astype(q.dtype)
+
+
+def bench_decode(cfg: mc.MLACacheConfig, shapes, impls, iters, report) -> None:
+  """mla_decode (bf16 cache) / mla_decode_pth (per_token_head) per shape and implementation:
+  "pallas" (the kernel), "xla" (`mla_decode`'s XLA reference), "gather" (get_mla_kv_buffer
+  + XLA attention). gbps counts the cache bytes read once; tflops 2 x rows x (W + R)."""
+  rng = np.random.default_rng(4)
+  quant_cfg = cfg.replace(dtype=jnp.float8_e4m3fn, quant_method="per_token_head")
+  for B, s_q, H, ctx in shapes:
+    pages = -(-ctx // cfg.page_size)
+    size = B * pages * cfg.page_size
+    table = jnp.asarray((rng.permutation(B * pages) + 1).reshape(B, pages).astype(np.int32))
+    lens = jnp.full((B,), ctx, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((B, s_q, H, cfg.kv_cache_dim)).astype(np.float32) * 0.1,
+                    jnp.bfloat16)
+    W, R = cfg.kv_cache_dim, cfg.kv_lora_rank
+    flops = 2 * B * s_q * H * ctx * (W + R)
+    for op, c in (("mla_decode", cfg), ("mla_decode_pth", quant_cfg)):
+      c = c.replace(size=size, layer_num=1)
+      cache = decode_cache(c)
+      nbytes = B * ctx * c.row_bytes
+      sm = float(W) ** -0.5
+      for impl in impls:
+        try:
+          if impl == "gather":
+            f = jax.jit(lambda cache, q, t, n: gather_attention(
+                cache, q, t, n, sm_scale=sm, implementation="pallas"))
+          else:
+            f = jax.jit(lambda cache, q, t, n, impl=impl: mc.mla_decode(
+                cache, 0, q, t, n, sm_scale=sm, implementation=impl))
+          us, _, method = time_per_call(lambda st: (st[0], st[1], st[2], st[3], f(*st[:4])),
+                                        (cache, q, table, lens, None), iters, bd := {})
+          report(Record(op, impl, ctx, 1, us, nbytes / us / 1e3, B=B, s_q=s_q, H=H,
+                        tflops=flops / us / 1e6), method, bd)
+        except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
+          ERRORS.append(f"{op} {impl} B={B} s_q={s_q} H={H} T={ctx}: {type(e).__name__}: "
+                        f"{str(e)[:300]}")
+          print(f"  !! {ERRORS[-1]}", flush=True)
+      del cache
+
+
 def bench_offload(cfg: mc.MLACacheConfig, tokens: int, iters: int, report) -> dict:
   """get_cpu_copy / load_cpu_copy of `tokens` rows x every layer vs plain pinned copies."""
   kind = offload.host_memory_kind()
@@ -263,7 +357,12 @@ def main(argv: list[str] | None = None) -> dict:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<device>.json)")
   parser.add_argument("--small", action="store_true", help="CPU-sized shapes (default off a GPU)")
-  parser.add_argument("--ops", default="rows,moves,offload", help="comma list: rows,moves,offload")
+  parser.add_argument("--ops", default="rows,moves,offload,decode",
+                      help="comma list: rows,moves,offload,decode")
+  parser.add_argument("--decode-impls", default=None,
+                      help="comma list for mla_decode (default pallas,gather on a GPU; xla off it)")
+  parser.add_argument("--decode-shapes", default=None,
+                      help="semicolon list of B,s_q,H,context overriding the decode shapes")
   parser.add_argument("--impls", default=None,
                       help="comma list (default pallas,xla on a GPU; xla elsewhere: interpret-mode "
                            "timings mean nothing)")
@@ -300,8 +399,10 @@ def main(argv: list[str] | None = None) -> dict:
   def report(rec: Record, method: str, breakdown: dict[str, float] | None = None) -> None:
     records.append(rec)
     methods.add(method)
+    shape = (f" B={rec.B} s_q={rec.s_q} H={rec.H} {rec.tflops:6.1f} TFLOPS"
+             if rec.B is not None and rec.tflops is not None else "")
     print(f"  {rec.op:12s} {rec.impl:6s} T={rec.T:<6d} layers={rec.layers:<3d} "
-          f"{rec.us:10.2f} us {rec.gbps:9.1f} GB/s  [{method}]", flush=True)
+          f"{rec.us:10.2f} us {rec.gbps:9.1f} GB/s{shape}  [{method}]", flush=True)
     if args.breakdown and breakdown:
       for name, us in sorted(breakdown.items(), key=lambda kv: -kv[1]):
         print(f"      {us:9.2f} us  {name[:100]}", flush=True)
@@ -324,6 +425,13 @@ def main(argv: list[str] | None = None) -> dict:
 
   if "rows" in ops:
     section("rows", bench_rows, row_cfg, set_tokens, impls, iters, report)
+  if "decode" in ops:
+    decode_impls = tuple((args.decode_impls or ("pallas,gather" if on_gpu else "xla")).split(","))
+    shapes = SMALL_DECODE_SHAPES if small else DECODE_SHAPES
+    if args.decode_shapes:
+      shapes = tuple(tuple(int(v) for v in s.split(",")) for s in args.decode_shapes.split(";"))
+    section("decode", bench_decode, cfg.replace(layer_num=1), shapes, decode_impls, iters,
+            report)
   if "moves" in ops:
     section("moves", bench_moves, cfg, move_tokens, page_counts, impls, iters, report)
   pinned = {"pinned_d2h_gbps": None, "pinned_h2d_gbps": None}

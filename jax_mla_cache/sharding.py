@@ -59,7 +59,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_mla_cache import dispatch, offload, reference
+from jax_mla_cache import attention, dispatch, offload, reference
 from jax_mla_cache.config import MLACacheConfig
 from jax_mla_cache.state import MLAKVCache, init_cache
 
@@ -591,3 +591,49 @@ set_kv_buffer = _public(set_kv_buffer, per_layer=True)
 get_mla_kv_buffer = _public(get_mla_kv_buffer, per_layer=True)
 move_kv_cache = _public(move_kv_cache, per_layer=False)
 move_kv_pages = _public(move_kv_pages, per_layer=False)
+
+
+# ----------------------------------------------------------------- decode attention
+@functools.partial(jax.jit, static_argnames=("layer_id", "sm_scale", "implementation"))
+def _mla_decode(cache, layer_id, q, page_table, seq_lens, *, sm_scale, implementation):
+  op = "mla_decode"
+  layout, storage = cache.layout, cache.cache
+  if layout.kind == "context_parallel":
+    raise NotImplementedError(
+        f"{op}: context_parallel caches interleave a sequence's rows over the ranks; "
+        "combining the ranks' partial attention is not implemented (use data_parallel, "
+        "replicated or pipeline layouts)")
+  layer_id = dispatch.check_layer_id(storage, layer_id, op)
+  _check_tokens(layout, q.shape[0] if hasattr(q, "shape") else 0, "q's batch", op)
+
+  def body(layer, q, page_table, seq_lens):
+    local = _local_cache(layout, storage.config, (layer,))
+    return attention.mla_decode(local, 0, q, page_table, seq_lens, sm_scale=sm_scale,
+                                implementation=implementation)
+
+  spec, token = layout.buffer_spec, layout.token_spec
+  return _shard_map(layout, body, (spec, token, token, token), (token, token))(
+      storage.layer(layer_id), q, page_table, seq_lens)
+
+
+def _mla_decode_public(cache, layer_id, q, page_table, seq_lens, *, sm_scale,
+                       implementation: dispatch.Implementation = None):
+  """`jax_mla_cache.mla_decode` on a sharded cache: each shard attends its own sequences.
+
+  data_parallel: q (B, s_q, H, R+Rr), page_table (B, P) and seq_lens (B,) are a global
+  batch split along the axis (B % world == 0); rank k's page ids address its own pool.
+  replicated: every rank computes the whole batch. pipeline: runs on `layer_id`'s stage.
+  Returns (out, lse) laid out like q. context_parallel raises NotImplementedError.
+  """
+  _check_sharded(cache, "mla_decode")
+  if isinstance(sm_scale, jax.core.Tracer):
+    raise TypeError("mla_decode: sm_scale must be a Python float (static), got a traced value")
+  config = cache.layout.shard_config(cache.cache.config)
+  page_table, seq_lens = attention._check_decode_args(
+      MLAKVCache(buffers=(), config=config), q, page_table, seq_lens, "mla_decode")
+  return _public(_mla_decode, per_layer=True)(
+      cache, layer_id, q, page_table, seq_lens, sm_scale=float(sm_scale),
+      implementation=implementation)
+
+
+mla_decode = _mla_decode_public

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla_cache import dispatch, offload
+from jax_mla_cache import attention, dispatch, offload
 from jax_mla_cache.config import MLACacheConfig
 from jax_mla_cache.state import MLAKVCache, init_cache
 
@@ -199,6 +199,22 @@ class MLATokenToKVPool:
     return dispatch.get_mla_kv_buffer(
         self.cache, _layer_id(layer), loc, dst_dtype, implementation=self.implementation
     )
+
+  def mla_decode(
+      self, layer: Any, q: jax.Array, page_table: Any, seq_lens: Any, *, sm_scale: float
+  ) -> tuple[jax.Array, jax.Array]:
+    """Paged absorbed-MLA decode attention over the layer's cache, read in place (SPEC §7).
+
+    q (B, s_q, H, R+Rr); page_table (B, P) page ids; seq_lens (B,). Returns
+    (out (B, s_q, H, R) q.dtype, lse (B, s_q, H) float32). See `jax_mla_cache.mla_decode`.
+    """
+    if self.debug_checks:
+      self._check_indices("mla_decode", "page_table", page_table,
+                          self.config.rows // self.page_size)
+    layer_id = _layer_id(layer)
+    self._wait(dispatch.check_layer_id(self.cache, layer_id, "mla_decode"))
+    return attention.mla_decode(self.cache, layer_id, q, page_table, seq_lens,
+                                sm_scale=sm_scale, implementation=self.implementation)
 
   def get_key_buffer(self, layer_id: int):
     """Plain: the layer's (rows,1,R+Rr) buffer; per_token_head: (nope, scale, rope)."""

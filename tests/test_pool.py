@@ -170,3 +170,21 @@ def test_pool_rejects_bad_device_and_mode():
     mc.MLATokenToKVPool(64, jnp.bfloat16, jnp.bfloat16, "fp8_ds_mla", 512, 64, 1)
   with pytest.raises(ValueError, match="device must name"):
     mc.MLATokenToKVPool(64, jnp.bfloat16, jnp.bfloat16, None, 512, 64, 1, device="tpu-ish")
+
+
+def test_pool_mla_decode_reads_the_layer_in_place(rng):
+  pool = mc.MLATokenToKVPool(size=240, model_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
+                             quant_method=None, kv_lora_rank=128, qk_rope_head_dim=64,
+                             layer_num=2, page_size=16, implementation="xla")
+  waited = []
+  pool.register_layer_transfer_counter(type("C", (), {"wait_until": lambda _, l: waited.append(l)})())
+  loc = np.arange(16, 64, dtype=np.int32)
+  pool.set_mla_kv_buffer(1, loc, jnp.asarray(rng.standard_normal((48, 1, 128)), jnp.bfloat16),
+                         jnp.asarray(rng.standard_normal((48, 1, 64)), jnp.bfloat16))
+  q = jnp.asarray(rng.standard_normal((2, 1, 4, 192)), jnp.bfloat16)
+  table, lens = np.array([[1, 2, 3], [3, 2, 1]], np.int32), np.array([48, 20], np.int32)
+  out, lse = pool.mla_decode(type("L", (), {"layer_id": 1})(), q, table, lens, sm_scale=0.1)
+  want = mc.mla_decode(pool.cache, 1, q, table, lens, sm_scale=0.1, implementation="xla")
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want[0]))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(want[1]))
+  assert waited == [1]

@@ -353,3 +353,44 @@ def test_one_device_mesh_matches_unsharded(kind):
 def test_gpu_one_device_mesh_matches_unsharded(kind, cfg):
   """Every layout on a 1-device mesh of the GPU with the Pallas kernels."""
   one_device_mesh_case(kind, cfg, jax.devices("gpu")[0], "pallas")
+
+
+@pytest.mark.parametrize("kind,implementation", [
+    ("data_parallel", "xla"), ("data_parallel", "pallas"),   # the kernel interpreted per shard
+    ("replicated", "xla"), ("pipeline", "xla")])
+def test_mla_decode_per_shard_matches_unsharded(kind, implementation, rng):
+  """Each rank attends its own sequences (data_parallel) or all (replicated, pipeline),
+  equal to the unsharded op on that rank's pool."""
+  cfg = mc.MLACacheConfig(size=240, page_size=16, kv_lora_rank=128, qk_rope_head_dim=64,
+                          layer_num=2)
+  lay = layout(kind, jax.devices()[:4])
+  cache = sh.init_sharded_cache(cfg, lay)
+  world = lay.world if kind == "data_parallel" else 1
+  B = 2 * world
+  loc = np.concatenate([rng.permutation(cfg.rows)[:16] for _ in range(world)]).astype(np.int32)
+  nope, rope = rows_input(rng, len(loc), 128), rows_input(rng, len(loc), 64)
+  cache = sh.set_mla_kv_buffer(cache, 1, loc, nope, rope, implementation="xla")
+  npages = cfg.rows // cfg.page_size
+  table = rng.integers(-1, npages + 1, (B, 3)).astype(np.int32)
+  lens = rng.integers(0, 49, (B,)).astype(np.int32)
+  q = jnp.asarray(rng.standard_normal((B, 1, 16, 192)) * 0.1, jnp.bfloat16)
+  out, lse = sh.mla_decode(cache, 1, q, table, lens, sm_scale=0.3, implementation=implementation)
+  assert out.shape == (B, 1, 16, 128) and lse.shape == (B, 1, 16)
+  pools = logical_pools(cache)
+  per = B // world
+  for k in range(world):
+    local = mc.MLAKVCache(
+        buffers=tuple(tuple(jnp.asarray(b) for b in layer) for layer in pools[k]), config=cfg)
+    want = mc.mla_decode(local, 1, q[k * per:(k + 1) * per], table[k * per:(k + 1) * per],
+                         lens[k * per:(k + 1) * per], sm_scale=0.3, implementation=implementation)
+    np.testing.assert_array_equal(np.asarray(out)[k * per:(k + 1) * per], np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(lse)[k * per:(k + 1) * per], np.asarray(want[1]))
+
+
+def test_mla_decode_context_parallel_is_refused(rng):
+  lay = layout("context_parallel", jax.devices()[:4])
+  cache = sh.init_sharded_cache(PLAIN.replace(page_size=8, size=120), lay)
+  q = jnp.zeros((1, 1, 2, 80), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="context_parallel"):
+    sh.mla_decode(cache, 0, q, np.zeros((1, 2), np.int32), np.ones((1,), np.int32),
+                  sm_scale=1.0)

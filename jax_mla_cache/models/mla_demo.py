@@ -9,12 +9,15 @@ Random weights; the point is the cache inside a real model step. Per layer
     c_kv       = rms_norm(c_kv)                the latent row, R = kv_lora_rank
     k_rope     = rope(k_r)                     shared by all heads, dr = qk_rope_head_dim
     cache[slot] = [c_kv | k_rope]              set_mla_kv_buffer
-    ctx_c, ctx_r = cache[context slots]        get_mla_kv_buffer, (B, C, R), (B, C, dr)
     # absorbed form: the key up-projection w_uk moves onto the query, so the
     # attention runs in the latent space and reads only the cached rows.
     q_latent   = q_nope @ w_uk                 (B, Q, H, R)
-    scores     = (q_latent . ctx_c + q_rope . ctx_r) / sqrt(dn + dr)
-    o_latent   = softmax(scores) @ ctx_c       (B, Q, H, R)
+    o_latent   = attention over the cached rows of each sequence:
+      decode ("mla_decode", the default): mla_decode(cache, [q_latent | q_rope], page_table)
+      prefill, or decode with attention="gather":
+        ctx_c, ctx_r = cache[context slots]    get_mla_kv_buffer, (B, C, R), (B, C, dr)
+        scores   = (q_latent . ctx_c + q_rope . ctx_r) / sqrt(dn + dr)
+        o_latent = softmax(scores) @ ctx_c     (B, Q, H, R)
     x         += (o_latent @ w_uv) @ w_o       value up-projection, then output projection
     x         += mlp(rms_norm(x))
   logits = rms_norm(x) @ lm_head
@@ -45,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mla_cache import attention as attention_ops
 from jax_mla_cache import dispatch, reference
 from jax_mla_cache.config import MLACacheConfig
 from jax_mla_cache.state import MLAKVCache
@@ -264,6 +268,7 @@ def forward(
     write_loc: jax.Array,
     page_table: jax.Array,
     implementation: dispatch.Implementation = None,
+    attention: str = "gather",
 ) -> tuple[jax.Array, MLAKVCache]:
   """Run Q new tokens per sequence through the model, caching their latent rows.
 
@@ -277,9 +282,14 @@ def forward(
       C = P * page_size context rows of each sequence and masks those at
       positions after the query's.
     implementation: the cache ops' implementation (None: the device's best).
+    attention: "gather" (get_mla_kv_buffer of every context row, then attention in
+      XLA) or "mla_decode" (the paged decode attention reads the cache in place; needs
+      the Q tokens to be each sequence's newest, right-aligned at `positions`).
   Returns:
     (logits (B, Q, V) float32, the new cache).
   """
+  if attention not in ("gather", "mla_decode"):
+    raise ValueError(f"attention must be 'gather' or 'mla_decode', got {attention!r}")
   c = params.config
   R, dr = c.cache.kv_lora_rank, c.cache.qk_rope_head_dim
   B, Q = tokens.shape
@@ -297,17 +307,25 @@ def forward(
         c_kv.reshape(B * Q, 1, R), k_rope.reshape(B * Q, 1, dr),
         implementation=implementation,
     )
-    ctx_c, ctx_r = dispatch.get_mla_kv_buffer(
-        cache, layer_id, context_loc, c.dtype, implementation=implementation
-    )
-    ctx_c, ctx_r = ctx_c.reshape(B, C, R), ctx_r.reshape(B, C, dr)
-
     q_nope, q_rope = project_queries(layer, h, positions, c)
     q_latent = _einsum("bqhd,hdr->bqhr", q_nope, layer.w_uk, c.dtype)
-    scores = (_einsum("bqhr,bcr->bhqc", q_latent, ctx_c, c.dtype)
-              + _einsum("bqhd,bcd->bhqc", q_rope, ctx_r, c.dtype)) * c.softmax_scale
-    probs = masked_softmax(scores, mask)
-    o_latent = _einsum("bhqc,bcr->bqhr", probs, ctx_c, c.dtype)
+    if attention == "mla_decode":
+      # In the model dtype: the kernel takes it when it is the cache's (bf16 on the GPU);
+      # otherwise (a float32 model) mla_decode runs its XLA implementation.
+      q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(c.dtype)
+      o_latent, _ = attention_ops.mla_decode(
+          cache, layer_id, q, page_table, positions[:, -1] + 1, sm_scale=c.softmax_scale,
+          implementation=implementation)
+      o_latent = o_latent.astype(F32)
+    else:
+      ctx_c, ctx_r = dispatch.get_mla_kv_buffer(
+          cache, layer_id, context_loc, c.dtype, implementation=implementation
+      )
+      ctx_c, ctx_r = ctx_c.reshape(B, C, R), ctx_r.reshape(B, C, dr)
+      scores = (_einsum("bqhr,bcr->bhqc", q_latent, ctx_c, c.dtype)
+                + _einsum("bqhd,bcd->bhqc", q_rope, ctx_r, c.dtype)) * c.softmax_scale
+      probs = masked_softmax(scores, mask)
+      o_latent = _einsum("bhqc,bcr->bqhr", probs, ctx_c, c.dtype)
     o = _einsum("bqhr,hrv->bqhv", o_latent, layer.w_uv, c.dtype)
     x = mlp_and_residual(layer, x, _einsum("bqhv,hvd->bqd", o, layer.w_o, c.dtype), c)
   return final_logits(params, x), cache
@@ -341,7 +359,8 @@ def prefill(
   return last[:, 0], cache
 
 
-@functools.partial(jax.jit, static_argnames=("implementation",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("implementation", "attention"),
+                   donate_argnames=("cache",))
 def decode(
     params: MLADemoParams,
     cache: MLAKVCache,
@@ -349,6 +368,7 @@ def decode(
     positions: jax.Array,
     page_table: jax.Array,
     implementation: dispatch.Implementation = None,
+    attention: str = "mla_decode",
 ) -> tuple[jax.Array, MLAKVCache]:
   """One decode step (donates `cache`).
 
@@ -356,12 +376,14 @@ def decode(
     tokens: (B,) int, the newest token of each sequence.
     positions: (B,) int, its position (= the number of tokens before it).
     page_table: (B, P) int.
+    attention: "mla_decode" (reads the cache in place) or "gather" (see `forward`).
   Returns:
     (logits (B, V) float32, the new cache).
   """
   tokens, positions = tokens[:, None], positions[:, None]
   write_loc = token_slots(page_table, positions, params.config.cache.page_size)
-  logits, cache = forward(params, cache, tokens, positions, write_loc, page_table, implementation)
+  logits, cache = forward(params, cache, tokens, positions, write_loc, page_table, implementation,
+                          attention)
   return logits[:, 0], cache
 
 

@@ -1,0 +1,219 @@
+"""Paged MLA decode attention that reads the cache in place (SPEC §7).
+
+`mla_decode(cache, layer_id, q, page_table, seq_lens, *, sm_scale)` is the absorbed
+("weight-absorbed", FlashMLA-style) decode attention of DeepSeek-V2/V3: it runs in the
+latent space over the layer's cached rows, addressed through a page table, and never
+gathers them into a copy (the Pallas kernel; the XLA reference does gather).
+
+Equivalent plain JAX (plain bf16 cache, one sequence b, query j, head h)::
+
+    n = min(seq_lens[b], P * page_size)
+    pos = arange(P * page_size)
+    rows = page_table[b, pos // page_size] * page_size + pos % page_size
+    k = kv[rows, 0].astype(f32)                     # (P*page_size, R+Rr); v = k[:, :R]
+    s = sm_scale * k @ q[b, j, h].astype(f32)
+    s = where((pos <= n - s_q + j) & page_in_range, s, -inf)
+    out[b, j, h] = softmax(s) @ k[:, :R];  lse[b, j, h] = logsumexp(s)
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_mla_cache import dispatch
+from jax_mla_cache.state import MLAKVCache
+
+F32 = jnp.float32
+Q_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+# ----------------------------------------------------------------- reference
+def positions_rows(page_table: jax.Array, page_size: int, rows: int):
+  """Rows of every position of every sequence, and whether its page is in range.
+
+  page_table (B, P) int -> (rows (B, P*page_size) int32 with -1 where the page id is
+  outside [0, rows // page_size), valid (B, P*page_size) bool).
+  """
+  n_pages = rows // page_size
+  ok = (page_table >= 0) & (page_table < n_pages)
+  pages = jnp.where(ok, page_table, 0).astype(jnp.int32)
+  offsets = jnp.arange(page_size, dtype=jnp.int32)
+  B, P = page_table.shape
+  row = (pages[:, :, None] * page_size + offsets).reshape(B, P * page_size)
+  valid = jnp.broadcast_to(ok[:, :, None], (B, P, page_size)).reshape(B, P * page_size)
+  return jnp.where(valid, row, -1), valid
+
+
+def mla_decode_reference(
+    buffers: tuple[jax.Array, ...], q: jax.Array, page_table: jax.Array, seq_lens: jax.Array,
+    *, sm_scale: float, page_size: int, kv_lora_rank: int,
+) -> tuple[jax.Array, jax.Array]:
+  """SPEC §7 in plain XLA: gather every position's row by the page table, then a masked
+  softmax in float32. `buffers`: `(kv,)` plain or `(nope, scale, rope)` per_token_head.
+
+  q (B, s_q, H, R+Rr); page_table (B, P) int32; seq_lens (B,) int32.
+  Returns (out (B, s_q, H, R) q.dtype, lse (B, s_q, H) float32).
+  """
+  from jax_mla_cache import reference
+
+  B, s_q, H, W = q.shape
+  R = kv_lora_rank
+  rows = buffers[0].shape[0]
+  L = page_table.shape[1] * page_size
+  row, valid = positions_rows(page_table, page_size, rows)
+  flat = row.reshape(-1)
+  if len(buffers) == 3:
+    nope, scale, rope = (reference.gather_rows(x, flat) for x in buffers)
+    k = jnp.concatenate([nope.astype(F32), rope.astype(F32)], -1) * scale.astype(F32)
+  else:
+    k = reference.gather_rows(buffers[0], flat).astype(F32)
+  k = k.reshape(B, L, W)
+  lens = jnp.clip(seq_lens, 0, L).astype(jnp.int32)
+  pos = jnp.arange(L, dtype=jnp.int32)
+  limit = lens[:, None] - s_q + jnp.arange(s_q, dtype=jnp.int32)[None, :]      # (B, s_q)
+  visible = (pos[None, None, :] <= limit[:, :, None]) & valid[:, None, :]      # (B, s_q, L)
+  s = jnp.einsum("bjhd,bld->bjhl", q.astype(F32), k, precision=lax.Precision.HIGHEST)
+  s = jnp.where(visible[:, :, None, :], s * jnp.float32(sm_scale), -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+  p = jnp.exp(s - m_safe)
+  l = jnp.sum(p, axis=-1)
+  out = jnp.einsum("bjhl,blr->bjhr", p, k[..., :R], precision=lax.Precision.HIGHEST)
+  has = l > 0
+  out = jnp.where(has[..., None], out / jnp.where(has, l, 1.0)[..., None], 0.0)
+  lse = jnp.where(has, m_safe[..., 0] + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+  return out.astype(q.dtype), lse
+
+
+# ----------------------------------------------------------------- validation
+def _as_int32_clipped(x: Any, name: str, op: str, lo: int, hi: int, fill: int | None = None):
+  """An integer array as int32 with values outside [lo, hi] mapped to `fill` (or clipped
+  when fill is None), decided in the input's own width (a 64-bit value never wraps)."""
+  if not hasattr(x, "dtype"):
+    x = np.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{op}: {name} must have an integer dtype, got {x.dtype}")
+  if isinstance(x, np.ndarray):
+    wide = x.astype(np.int64) if x.dtype != np.uint64 else np.minimum(x, hi + 1).astype(np.int64)
+    out = np.clip(wide, lo, hi) if fill is None else np.where((wide >= lo) & (wide <= hi), wide, fill)
+    return jnp.asarray(out.astype(np.int32))
+  if fill is None:
+    return jnp.clip(x, lo, hi).astype(jnp.int32)
+  return jnp.where((x >= lo) & (x <= hi), x, fill).astype(jnp.int32)
+
+
+def _check_decode_args(cache: MLAKVCache, q, page_table, seq_lens, op: str):
+  cfg = cache.config
+  if not hasattr(q, "shape") or not hasattr(q, "dtype"):
+    raise TypeError(f"{op}: q must be an array, got {type(q).__name__}")
+  W = cfg.kv_cache_dim
+  if q.ndim != 4 or q.shape[-1] != W:
+    raise ValueError(f"{op}: q must have shape (B, s_q, H, {W}) (R+Rr = {cfg.kv_lora_rank}+"
+                     f"{cfg.qk_rope_head_dim}), got {tuple(q.shape)}")
+  if jnp.dtype(q.dtype) not in Q_DTYPES:
+    raise TypeError(f"{op}: q must be bfloat16, float16 or float32, got {q.dtype}")
+  B = q.shape[0]
+  for name, x, ndim in (("page_table", page_table, 2), ("seq_lens", seq_lens, 1)):
+    shape = getattr(x, "shape", np.shape(x))
+    if len(shape) != ndim or shape[0] != B:
+      want = "(B, P)" if ndim == 2 else "(B,)"
+      raise ValueError(f"{op}: {name} must have shape {want} with B = q.shape[0] = {B}, "
+                       f"got {tuple(shape)}")
+  if np.shape(page_table)[1] == 0:
+    raise ValueError(f"{op}: page_table must have at least one column, got shape "
+                     f"{tuple(np.shape(page_table))}")
+  n_pages = cfg.rows // cfg.page_size
+  max_len = np.shape(page_table)[1] * cfg.page_size
+  page_table = _as_int32_clipped(page_table, "page_table", op, 0, n_pages - 1, fill=-1)
+  seq_lens = _as_int32_clipped(seq_lens, "seq_lens", op, 0, max_len)
+  return page_table, seq_lens
+
+
+# ----------------------------------------------------------------- the op
+_WARNED: set[str] = set()
+
+
+def _kernel_reason(cache: MLAKVCache, q) -> str | None:
+  from pallas_kernels import mla_decode as kernel
+
+  cfg = cache.config
+  return kernel.check_supported(cache.layer(0), q, page_size=cfg.page_size,
+                                kv_lora_rank=cfg.kv_lora_rank)
+
+
+@functools.partial(jax.jit, static_argnames=("layer_id", "sm_scale", "implementation"))
+def _mla_decode(cache, layer_id, q, page_table, seq_lens, *, sm_scale, implementation=None):
+  op = "mla_decode"
+  cfg = cache.config
+  page_table, seq_lens = _check_decode_args(cache, q, page_table, seq_lens, op)
+  impl = dispatch.resolve_implementation(implementation)
+  buffers = cache.layer(layer_id)
+  args = dict(sm_scale=sm_scale, page_size=cfg.page_size, kv_lora_rank=cfg.kv_lora_rank)
+  if impl == "pallas":
+    reason = _kernel_reason(cache, q)
+    if reason is None:
+      from pallas_kernels import mla_decode as kernel
+
+      return kernel.mla_decode(buffers, q, page_table, seq_lens, **args)
+    if implementation == "pallas":
+      raise NotImplementedError(f"{op}: the Pallas kernel does not take this call: {reason}")
+    if reason not in _WARNED:
+      _WARNED.add(reason)
+      warnings.warn(f"{op}: the Pallas kernel does not take this call ({reason}); "
+                    "running the XLA implementation", stacklevel=3)
+  return mla_decode_reference(buffers, q, page_table, seq_lens, **args)
+
+
+def mla_decode(
+    cache: MLAKVCache,
+    layer_id: int,
+    q: jax.Array,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    sm_scale: float,
+    implementation: dispatch.Implementation = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Paged absorbed-MLA decode attention over layer `layer_id`'s cache (SPEC §7).
+
+  Args:
+    cache: the state (read, not donated).
+    layer_id: static layer index.
+    q: (B, s_q, H, R+Rr) absorbed queries `[q_nope @ W_UK | rope(q_rope)]`, bf16 or f16
+      (f32 on the XLA path). The kernel needs q in the cache's dtype (plain) or in
+      `model_dtype` (per_token_head).
+    page_table: (B, P) integer page ids; position p of sequence b is row
+      `page_table[b, p // page_size] * page_size + p % page_size`. Ids outside
+      `[0, rows // page_size)` (any integer width) are masked out and never read.
+    seq_lens: (B,) tokens of each sequence in the cache, its s_q newest included;
+      clamped to `[0, P * page_size]`.
+    sm_scale: the softmax scale, a Python float (static).
+    implementation: None (the Mosaic GPU kernel on sm_90+ when it takes the shapes,
+      else XLA with a one-time warning), "xla" or "pallas" (raises when the kernel does
+      not take the call).
+  Returns:
+    (out (B, s_q, H, R) in q.dtype, lse (B, s_q, H) float32, natural log). Query j of a
+    sequence sees positions `0 .. seq_lens - s_q + j`; one with none visible gets out 0
+    and lse -inf.
+  """
+  dispatch._check_cache(cache, "mla_decode")
+  layer_id = dispatch.check_layer_id(cache, layer_id, "mla_decode")
+  if isinstance(sm_scale, jax.core.Tracer):
+    raise TypeError("mla_decode: sm_scale must be a Python float (static), got a traced value")
+  try:
+    sm_scale = float(sm_scale)
+  except TypeError:
+    raise TypeError(f"mla_decode: sm_scale must be a float, got {type(sm_scale).__name__}") \
+        from None
+  # Host integers are range-checked here, in their own width: inside the jit a numpy
+  # int64 array would already have been narrowed to int32 (2**32 + 5 -> 5).
+  page_table, seq_lens = _check_decode_args(cache, q, page_table, seq_lens, "mla_decode")
+  return _mla_decode(cache, layer_id, q, page_table, seq_lens, sm_scale=sm_scale,
+                     implementation=implementation)

@@ -1,0 +1,438 @@
+"""Paged MLA decode attention that reads the cache in place (Mosaic GPU, Hopper wgmma).
+
+Public function (arrays in, arrays out)::
+
+    mla_decode(buffers, q, page_table, seq_lens, *, sm_scale, page_size, kv_lora_rank,
+               num_splits=None) -> (out, lse)
+
+* ``buffers``: the layer's cache buffers: ``(kv,)`` plain, kv (rows, 1, R+Rr) bf16/f16; or
+  ``(nope, scale, rope)`` per_token_head: nope (rows, 1, R) float8_e4m3fn, scale (rows, 1, 1)
+  float32, rope (rows, 1, Rr) bf16/f16.
+* ``q`` (B, s_q, H, R+Rr): absorbed queries, the cache's dtype (plain) or the rope plane's
+  dtype (per_token_head).
+* ``page_table`` (B, P) int32, ``seq_lens`` (B,) int32 (SPEC §7: position p of sequence b is
+  row ``page_table[b, p // page_size] * page_size + p % page_size``).
+* Returns ``out`` (B, s_q, H, R) in q.dtype and ``lse`` (B, s_q, H) float32 (natural log).
+
+Semantics are SPEC §7 (see ``jax_mla_cache.attention.mla_decode_reference``): keys are the
+whole rows, values their first R columns; per_token_head keys/values are dequantized by
+the row's scale, which the kernel folds into the scores and the softmax weights instead of
+dequantizing (it reads 644 bytes per token instead of 1152). Query j of a sequence sees
+positions ``0 .. seq_lens - s_q + j``. Page ids outside ``[0, rows // page_size)`` are
+replaced by page 0 before the kernel (so every copy stays inside the buffer) and their
+positions are masked out of the softmax.
+
+Design (FlashAttention-3 style, as jax's ``attention_mgpu``; the absorbed form of FlashMLA):
+
+* The s_q x H query rows of a sequence are the M dimension of the tensor-core products,
+  in tiles of 64 rows (a wgmma's M). Fewer rows (H=16, s_q=1) are padded by uninitialized
+  shared-memory rows: every row of attention is independent of the others, and padding
+  rows' results are never stored.
+* Grid (M tiles, splits, B); one program = 3 warpgroups. Warpgroup 2 is the producer: it
+  reads the page table and issues TMA copies of 64-token KV blocks into a ring of
+  ``STAGES`` shared-memory stages. Warpgroups 0 and 1 both compute the scores
+  S = Q K^T (64 x 64, K = R+Rr) and the online softmax, and each accumulates its half of
+  the R output columns (an accumulator of 64 x R/2 float32: 128 registers a thread for
+  R = 512), so the KV block in shared memory serves both halves of V with no copy.
+* Flash-decoding: when B x M tiles is too small to fill the GPU, each sequence's blocks
+  are split over ``num_splits`` programs (ranges computed on the device from seq_lens);
+  each writes its partial output (q.dtype) and lse, and an XLA epilogue combines them by
+  their lse. With one split the partial is the result.
+* per_token_head: the producer loads the fp8 nope plane, the rope plane and the scales;
+  each compute warpgroup converts its half of the nope columns to q.dtype in a shared
+  tile (exact: e4m3 fits bf16/f16), S = q_nope . nope^T + q_rope . rope^T in two wgmmas,
+  scores multiplied by the column's scale, softmax weights multiplied by it for P V.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import common
+from pallas_kernels.common import F32
+
+FP8_E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+Q_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+BLOCK_M = 64        # query rows per tile (a wgmma's M)
+BLOCK_KV = 64       # tokens per KV block
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+MASKED = 1 << 30    # added to positions that must stay invisible
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """Static tiling of the decode kernel.
+
+  Attributes:
+    stages: KV blocks in flight (shared-memory ring depth).
+    num_sms: multiprocessors to fill when choosing the split count (None: the device's).
+  """
+
+  stages: int = 2
+  num_sms: int | None = None
+
+
+def check_supported(buffers, q, *, page_size: int, kv_lora_rank: int) -> str | None:
+  """None when the kernel handles this call, else a reason (for the dispatch fall-through)."""
+  qd = jnp.dtype(q.dtype)
+  if qd not in Q_DTYPES:
+    return f"q dtype {qd} (the kernel takes bf16 or f16)"
+  if len(buffers) == 3:
+    store = jnp.dtype(buffers[2].dtype)
+    what = "rope plane"
+  else:
+    store = jnp.dtype(buffers[0].dtype)
+    what = "cache"
+  if store != qd:
+    return f"q dtype {qd} differs from the {what}'s {store}"
+  R, Rr = kv_lora_rank, q.shape[-1] - kv_lora_rank
+  if R <= 0 or Rr <= 0 or R % 128 or Rr % 64:
+    return f"row widths R={R}, Rr={Rr} (the kernel needs R % 128 == 0 and Rr % 64 == 0)"
+  if not (page_size % BLOCK_KV == 0 or (BLOCK_KV % page_size == 0 and page_size % 8 == 0)):
+    return f"page_size {page_size} (the kernel needs 8, 16, 32 or a multiple of 64)"
+  return None
+
+
+def split_count(batch: int, m_tiles: int, max_blocks: int, num_sms: int) -> int:
+  """Programs per (sequence, M tile): enough to fill `num_sms` in about one wave."""
+  per_split = batch * m_tiles
+  if per_split >= num_sms // 2:
+    return 1
+  return int(max(1, min(num_sms // per_split, max_blocks)))
+
+
+def _num_sms(config: DecodeConfig) -> int:
+  if config.num_sms is not None:
+    return config.num_sms
+  try:
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+      return int(device.core_count)
+  except (RuntimeError, AttributeError):
+    pass
+  return 132  # an H100/H200
+
+
+def mla_decode(buffers, q, page_table, seq_lens, *, sm_scale: float, page_size: int,
+               kv_lora_rank: int, num_splits: int | None = None,
+               config: DecodeConfig | None = None):
+  """Paged absorbed-MLA decode attention over one layer's cache (module docstring).
+
+  Args:
+    buffers: ``(kv,)`` or ``(nope, scale, rope)`` (rows, 1, width) cache buffers.
+    q: (B, s_q, H, R+Rr) bf16/f16.
+    page_table: (B, P) int32; entries outside [0, rows // page_size) are masked.
+    seq_lens: (B,) int32; clamped to [0, P * page_size].
+    sm_scale: softmax scale (a Python float).
+    page_size: tokens per page.
+    kv_lora_rank: R.
+    num_splits: programs per sequence and M tile (None: `split_count`).
+  Returns:
+    (out (B, s_q, H, R) q.dtype, lse (B, s_q, H) float32).
+  """
+  config = config or DecodeConfig()
+  reason = check_supported(buffers, q, page_size=page_size, kv_lora_rank=kv_lora_rank)
+  if reason is not None:
+    raise NotImplementedError(f"mla_decode kernel: {reason}")
+  quantized = len(buffers) == 3
+  B, s_q, H, W = q.shape
+  R = kv_lora_rank
+  Rr = W - R
+  P = page_table.shape[1]
+  rows = buffers[0].shape[0]
+  n_pages = rows // page_size
+  max_len = P * page_size
+  dtype = jnp.dtype(q.dtype)
+
+  QR = s_q * H
+  if QR <= BLOCK_M:
+    QRp = -(-QR // 8) * 8
+  else:
+    QRp = -(-QR // BLOCK_M) * BLOCK_M
+  m_tiles = -(-QRp // BLOCK_M)
+  tile_rows = min(QRp, BLOCK_M)
+  max_blocks = max(1, -(-max_len // BLOCK_KV))
+  splits = num_splits or split_count(B, m_tiles, max_blocks, _num_sms(config))
+
+  q2 = q.reshape(B, QR, W)
+  if QRp != QR:
+    q2 = jnp.pad(q2, ((0, 0), (0, QRp - QR), (0, 0)))
+  page_ok = (page_table >= 0) & (page_table < n_pages)
+  safe_table = jnp.where(page_ok, page_table, 0).astype(jnp.int32)
+  lens = jnp.clip(seq_lens, 0, max_len).astype(jnp.int32)
+
+  build = functools.partial(
+      _decode_kernel, B=B, s_q=s_q, H=H, R=R, Rr=Rr, P=P, QRp=QRp, tile_rows=tile_rows,
+      m_tiles=m_tiles, splits=splits, page_size=page_size, dtype=dtype,
+      quantized=quantized, sm_scale=float(sm_scale), stages=config.stages)
+  if quantized:
+    nope, scale, rope = buffers
+    operands = (nope.reshape(rows, R), scale.reshape(rows), rope.reshape(rows, Rr))
+  else:
+    operands = (buffers[0].reshape(rows, W),)
+  out, lse = common.dispatch(build, *operands, q2, safe_table,
+                             page_ok.astype(jnp.int32), lens)
+  out, lse = _combine(out, lse, dtype)
+  out = out[:, :QR].reshape(B, s_q, H, R)
+  lse = lse[:, :QR].reshape(B, s_q, H)
+  return out, lse
+
+
+def _combine(out, lse, dtype):
+  """Merge the splits' partial results (B, S, QRp, R), (B, S, QRp) by their lse."""
+  if out.shape[1] == 1:
+    return out[:, 0], lse[:, 0]
+  total = jax.nn.logsumexp(lse, axis=1)                      # -inf where every split is
+  weight = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - jnp.where(
+      jnp.isneginf(total), 0.0, total)[:, None]))
+  merged = jnp.einsum("bsq,bsqr->bqr", weight, out.astype(F32))
+  return merged.astype(dtype), total
+
+
+def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, splits,
+                   page_size, dtype, quantized, sm_scale, stages):
+  W = R + Rr
+  half = R // 2
+  bits = dtype.itemsize * 8
+  swizzle = 128
+  tile = (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+  fp8_tile = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+  copies = 1 if page_size >= BLOCK_KV else BLOCK_KV // page_size
+  rows_per_copy = min(page_size, BLOCK_KV)
+  score_scale = sm_scale * LOG2E
+
+  def body(*refs):
+    if interpret:
+      *refs, p_smem = refs
+    if quantized:
+      (nope_ref, scale_ref, rope_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
+       q_smem, kv_smem, rope_smem, scale_smem, conv_smem, lse_smem,
+       q_bar, kv_bar, free_bar, sync_bar) = refs
+    else:
+      (kv_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
+       q_smem, kv_smem, lse_smem, q_bar, kv_bar, free_bar, sync_bar) = refs
+    mt = lax.axis_index("m")
+    sp = lax.axis_index("s")
+    b = lax.axis_index("b")
+    wg = lax.axis_index("wg")
+    length = len_ref[b]
+    n_blocks = lax.div(length + (BLOCK_KV - 1), BLOCK_KV)
+    per_split = lax.div(n_blocks + (splits - 1), splits)
+    first = sp * per_split
+    n_steps = jnp.maximum(jnp.minimum(first + per_split, n_blocks) - first, 0)
+
+    def sync_compute():
+      plgpu.barrier_arrive(sync_bar)
+      plgpu.barrier_wait(sync_bar)
+
+    @pl.when(wg < 2)
+    def _compute():
+      if not interpret:
+        plgpu.set_max_registers(232, action="increase")
+
+      @pl.when(wg == 0)
+      def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(mt * BLOCK_M, tile_rows)],
+                                q_smem.at[pl.ds(0, tile_rows)], q_bar)
+      plgpu.barrier_wait(q_bar)
+
+      cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, BLOCK_KV), 1,
+                                    layout=plgpu.Layout.WGMMA)
+      rws = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, BLOCK_KV), 0,
+                                   layout=plgpu.Layout.WGMMA)
+      # Query j of row r sees positions <= length - s_q + j.
+      limit = length - s_q + lax.div(rws + mt * BLOCK_M, H)
+      col0 = pl.ds(wg * half, half)
+
+      m_i = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, F32),
+                              plgpu.Layout.WGMMA.reduce(1))
+      l_i = plgpu.layout_cast(jnp.full((BLOCK_M,), 0.0, F32), plgpu.Layout.WGMMA.reduce(1))
+
+      acc = plgpu.layout_cast(jnp.full((BLOCK_M, half), 0.0, F32), plgpu.Layout.WGMMA)
+
+      def step(i, carry):
+        acc, m_i, l_i = carry
+        slot = lax.rem(i, stages)
+        block = first + i
+        plgpu.barrier_wait(kv_bar.at[slot])
+        if quantized:
+          # Both halves of the shared converted tile are read by both warpgroups' score
+          # products: the previous block's must be done before it is overwritten.
+          sync_compute()
+          raw = kv_smem.at[slot, :, col0][...]
+          # e4m3 -> f16 is one conversion on sm_90 (and exact); e4m3 -> bf16 is not
+          # available in ptxas 12/13, so bf16 goes through f32 (also exact).
+          wide = raw.astype(jnp.float16)
+          conv_smem.at[:, col0][...] = (wide if dtype == jnp.float16
+                                        else wide.astype(F32).astype(dtype))
+          plgpu.commit_smem()
+          sync_compute()
+
+        def scores(s_ref):
+          if quantized:
+            plgpu.wgmma(s_ref, q_smem.at[:, pl.ds(0, R)],
+                        conv_smem.transpose((1, 0)))
+            plgpu.wgmma(s_ref, q_smem.at[:, pl.ds(R, Rr)],
+                        rope_smem.at[slot].transpose((1, 0)))
+          else:
+            plgpu.wgmma(s_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
+          return s_ref[...]
+
+        s = pl.run_scoped(scores, plgpu.ACC((BLOCK_M, BLOCK_KV), F32))
+        # Positions of out-of-range pages move past every limit (integer arithmetic only:
+        # vectors of booleans have no register layout here).
+        pos = block * BLOCK_KV + cols
+        if copies == 1:
+          bad = 1 - ok_ref[b, lax.div(block * BLOCK_KV, page_size)]
+          pos = pos + bad * MASKED
+        else:
+          page_in_block = lax.div(cols, page_size)
+          penalty = jnp.zeros_like(cols)
+          for c in range(copies):
+            bad = 1 - ok_ref[b, jnp.minimum(block * copies + c, P - 1)]
+            penalty = jnp.where(page_in_block == c, bad * MASKED, penalty)
+          pos = pos + penalty
+        visible = pos <= limit
+        if quantized:
+          col_scale = plgpu.load(scale_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+          col_scale = lax.broadcast_in_dim(col_scale, (BLOCK_M, BLOCK_KV), [1])
+          s = s * col_scale
+        s = jnp.where(visible, s * score_scale, -jnp.inf)
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+        l_i = l_i * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        pv = (p * col_scale if quantized else p).astype(dtype)
+        values = conv_smem.at[:, col0] if quantized else kv_smem.at[slot, :, col0]
+        if interpret:
+          # The interpreter takes wgmma operands from shared memory only and cannot
+          # pre-initialize an accumulator: P goes through shared memory and the product
+          # is added to the carried accumulator.
+          p_smem.at[wg][...] = pv
+
+          def product(r):
+            plgpu.wgmma(r, p_smem.at[wg], values)
+            return r[...]
+
+          acc = acc + pl.run_scoped(product, plgpu.ACC((BLOCK_M, half), F32))
+        else:
+          def product(acc_ref):
+            plgpu.wgmma(acc_ref, pv, values)
+
+          acc = pl.run_state(product)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(free_bar.at[slot])
+        return acc, m_new, l_i
+
+      acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
+
+      # Both warpgroups' score products read q_smem: wait for both before reusing it.
+      sync_compute()
+      has = l_i > 0
+      inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
+      out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+      q_smem.at[:, col0][...] = out.astype(dtype)
+
+      @pl.when(wg == 0)
+      def _():
+        lse_smem[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2,
+                                  -jnp.inf)
+      plgpu.commit_smem()
+      # One copy per 8-row tile row: a column half of a tiled tile is contiguous only
+      # within its tile row.
+      for g in range(tile_rows // 8):
+        plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(8 * g, 8), col0],
+                                out_ref.at[b, sp, pl.ds(mt * BLOCK_M + 8 * g, 8), col0])
+
+      @pl.when(wg == 0)
+      def _():
+        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, tile_rows)],
+                                lse_ref.at[b, sp, pl.ds(mt * BLOCK_M, tile_rows)])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      if not interpret:
+        plgpu.set_max_registers(40, action="decrease")
+
+      def load(i):
+        slot = lax.rem(i, stages)
+        start = (first + i) * BLOCK_KV
+        for c in range(copies):
+          position = start + c * rows_per_copy
+          page = pt_ref[b, jnp.minimum(lax.div(position, page_size), P - 1)]
+          row = page * page_size + lax.rem(position, page_size)
+          dst = pl.ds(c * rows_per_copy, rows_per_copy)
+          if quantized:
+            plgpu.copy_gmem_to_smem(nope_ref.at[pl.ds(row, rows_per_copy)],
+                                    kv_smem.at[slot, dst], kv_bar.at[slot])
+            plgpu.copy_gmem_to_smem(rope_ref.at[pl.ds(row, rows_per_copy)],
+                                    rope_smem.at[slot, dst], kv_bar.at[slot])
+            plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(row, rows_per_copy)],
+                                    scale_smem.at[slot, dst], kv_bar.at[slot])
+          else:
+            plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, rows_per_copy)],
+                                    kv_smem.at[slot, dst], kv_bar.at[slot])
+
+      @pl.loop(0, n_steps)
+      def _(i):
+        slot = lax.rem(i, stages)
+
+        @pl.when(i >= stages)
+        def _():
+          plgpu.barrier_wait(free_bar.at[slot])
+        load(i)
+
+      # Observe the last blocks' releases too, so that every barrier phase is consumed
+      # when the program ends (the interpreter checks it; on the GPU it costs nothing).
+      @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
+      def _(i):
+        plgpu.barrier_wait(free_bar.at[lax.rem(i, stages)])
+
+  per_block = 3 * copies if quantized else copies
+  if quantized:
+    smem = [
+        plgpu.SMEM((BLOCK_M, W), dtype, transforms=tile),
+        plgpu.SMEM((stages, BLOCK_KV, R), FP8_E4M3, transforms=fp8_tile),
+        plgpu.SMEM((stages, BLOCK_KV, Rr), dtype, transforms=tile),
+        plgpu.SMEM((stages, BLOCK_KV), F32),
+        plgpu.SMEM((BLOCK_KV, R), dtype, transforms=tile),
+        plgpu.SMEM((BLOCK_M,), F32),
+    ]
+  else:
+    smem = [
+        plgpu.SMEM((BLOCK_M, W), dtype, transforms=tile),
+        plgpu.SMEM((stages, BLOCK_KV, W), dtype, transforms=tile),
+        plgpu.SMEM((BLOCK_M,), F32),
+    ]
+  barriers = [
+      plgpu.Barrier(num_arrivals=1),
+      plgpu.Barrier(num_arrivals=per_block, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2),
+  ]
+  return plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((B, splits, QRp, R), dtype),
+                jax.ShapeDtypeStruct((B, splits, QRp), F32)),
+      scratch_types=smem + barriers + (
+          [plgpu.SMEM((2, BLOCK_M, BLOCK_KV), dtype, transforms=tile)] if interpret else []),
+      grid=(m_tiles, splits, B),
+      grid_names=("m", "s", "b"),
+      num_threads=3,
+      thread_name="wg",
+      kernel_name="mla_decode_pth" if quantized else "mla_decode",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=common.interpret_params() if interpret else None,
+  )

@@ -1,0 +1,313 @@
+"""mla_decode (SPEC §7): the XLA reference against a float64 numpy model, the Mosaic GPU
+kernel (interpret mode on CPU, real on the GPU) against the reference, bad input, and the
+kernel's CUDA lowering."""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jax_mla_cache as mc
+from jax_mla_cache import attention
+from pallas_kernels import mla_decode as kernel
+
+
+# ----------------------------------------------------------------- float64 model
+def decode64(buffers, q, page_table, seq_lens, *, sm_scale, page_size, kv_lora_rank):
+  """SPEC §7 in float64 numpy, one query at a time."""
+  buffers = [np.asarray(b) for b in buffers]
+  q = np.asarray(q, np.float64)
+  page_table = np.asarray(page_table, np.int64)
+  seq_lens = np.asarray(seq_lens, np.int64)
+  B, s_q, H, W = q.shape
+  R = kv_lora_rank
+  rows = buffers[0].shape[0]
+  P = page_table.shape[1]
+  out = np.zeros((B, s_q, H, R))
+  lse = np.full((B, s_q, H), -np.inf)
+  for b in range(B):
+    n = min(max(int(seq_lens[b]), 0), P * page_size)
+    for j in range(s_q):
+      keys = []
+      for p in range(n - s_q + j + 1):
+        page = page_table[b, p // page_size]
+        if not 0 <= page < rows // page_size:
+          continue
+        r = page * page_size + p % page_size
+        if len(buffers) == 3:
+          nope, scale, rope = (x[r, 0].astype(np.float64) for x in buffers)
+          keys.append(np.concatenate([nope, rope]) * scale[0])
+        else:
+          keys.append(buffers[0][r, 0].astype(np.float64))
+      if not keys:
+        continue
+      k = np.stack(keys)
+      s = sm_scale * (k @ q[b, j].T)                       # (n, H)
+      m = s.max(0)
+      e = np.exp(s - m)
+      out[b, j] = (e.T @ k[:, :R]) / e.sum(0)[:, None]
+      lse[b, j] = m + np.log(e.sum(0))
+  return out, lse
+
+
+def filled_cache(cfg, rng, spread=2.0):
+  """A one-layer cache with random rows of magnitudes 10^[-spread, spread]."""
+  cache = mc.init_cache(cfg.replace(layer_num=1))
+  rows = cfg.rows
+  mag = 10.0 ** rng.uniform(-spread, spread, (rows, 1, 1))
+  nope = jnp.asarray(rng.standard_normal((rows, 1, cfg.kv_lora_rank)) * mag, jnp.bfloat16)
+  rope = jnp.asarray(rng.standard_normal((rows, 1, cfg.qk_rope_head_dim)) * mag, jnp.bfloat16)
+  return mc.set_mla_kv_buffer(cache, 0, jnp.arange(rows), nope, rope, implementation="xla")
+
+
+def problem(cfg, rng, B, s_q, H, P, *, bad_pages=True, q_dtype=jnp.bfloat16):
+  npages = cfg.rows // cfg.page_size
+  table = rng.integers(0, npages, (B, P)).astype(np.int32)
+  if bad_pages:
+    table[0, min(1, P - 1)] = npages + 5       # out of range: masked
+    table[-1, 0] = -3
+  lens = rng.integers(-2, P * cfg.page_size + 5, (B,)).astype(np.int32)
+  lens[0] = P * cfg.page_size
+  q = jnp.asarray(rng.standard_normal((B, s_q, H, cfg.kv_cache_dim)) * 0.05, q_dtype)
+  return q, table, lens
+
+
+def assert_close(got, want, *, rtol=1e-2, lse_atol=1e-2):
+  out, lse = (np.asarray(x, np.float64) for x in got)
+  want_out, want_lse = want
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+  finite = np.isfinite(want_lse)
+  np.testing.assert_allclose(lse[finite], want_lse[finite], atol=lse_atol, rtol=0)
+  err = np.sqrt(np.sum((out - want_out) ** 2) / max(np.sum(want_out ** 2), 1e-30))
+  assert err <= rtol, f"relative RMS error {err:.3g} > {rtol}"
+  assert np.all(out[~finite] == 0)
+
+
+CONFIGS = {
+    "bf16": mc.SMALL.replace(size=1024, page_size=16),
+    "pth": mc.SMALL.replace(size=1024, page_size=16, dtype=jnp.float8_e4m3fn,
+                            quant_method="per_token_head"),
+}
+
+
+# ----------------------------------------------------------------- reference
+@pytest.mark.parametrize("mode", ["bf16", "pth"])
+@pytest.mark.parametrize("s_q", [1, 3])
+def test_reference_matches_float64(mode, s_q, rng):
+  cfg = CONFIGS[mode]
+  cache = filled_cache(cfg, rng)
+  q, table, lens = problem(cfg, rng, B=3, s_q=s_q, H=4, P=5)
+  lens[1] = 0
+  got = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.3, implementation="xla")
+  chex.assert_shape(got[0], (3, s_q, 4, 512))
+  chex.assert_shape(got[1], (3, s_q, 4))
+  assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
+  want = decode64(cache.layer(0), q, table, lens, sm_scale=0.3, page_size=16, kv_lora_rank=512)
+  assert_close(got, want)
+
+
+def test_reference_float32_is_tight(rng):
+  cfg = mc.SMALL.replace(size=512, page_size=16, dtype=jnp.float32)
+  cache = filled_cache(cfg, rng)
+  q, table, lens = problem(cfg, rng, B=2, s_q=2, H=3, P=4, q_dtype=jnp.float32)
+  got = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.2, implementation="xla")
+  want = decode64(cache.layer(0), q, table, lens, sm_scale=0.2, page_size=16, kv_lora_rank=512)
+  assert_close(got, want, rtol=1e-5, lse_atol=1e-4)   # lse ~40: 1e-4 is a few f32 ulps
+
+
+def test_empty_and_masked_queries_give_zeros_and_neg_inf(rng):
+  cfg = CONFIGS["bf16"]
+  cache = filled_cache(cfg, rng)
+  q = jnp.ones((3, 2, 2, 576), jnp.bfloat16)
+  npages = cfg.rows // cfg.page_size
+  table = np.array([[1, 2], [3, 4], [npages, -1]], np.int32)
+  lens = np.array([0, 1, 20], np.int32)   # b=1: query 0 sees nothing; b=2: only bad pages
+  out, lse = mc.mla_decode(cache, 0, q, table, lens, sm_scale=1.0, implementation="xla")
+  lse = np.asarray(lse)
+  assert np.all(np.isneginf(lse[0])) and np.all(np.isneginf(lse[1, 0]))
+  assert np.all(np.isfinite(lse[1, 1])) and np.all(np.isneginf(lse[2]))
+  assert np.all(np.asarray(out)[np.isneginf(lse)] == 0)
+
+
+# ----------------------------------------------------------------- bad input
+def test_bad_arguments_raise_clear_errors(rng):
+  cfg = CONFIGS["bf16"]
+  cache = mc.init_cache(cfg)
+  q = jnp.zeros((2, 1, 4, 576), jnp.bfloat16)
+  table, lens = np.zeros((2, 3), np.int32), np.ones((2,), np.int32)
+  with pytest.raises(ValueError, match="q must have shape"):
+    mc.mla_decode(cache, 0, q[..., :512], table, lens, sm_scale=1.0)
+  with pytest.raises(TypeError, match="q must be"):
+    mc.mla_decode(cache, 0, q.astype(jnp.int32), table, lens, sm_scale=1.0)
+  with pytest.raises(ValueError, match="page_table must have shape"):
+    mc.mla_decode(cache, 0, q, table[:1], lens, sm_scale=1.0)
+  with pytest.raises(ValueError, match="seq_lens must have shape"):
+    mc.mla_decode(cache, 0, q, table, lens[:1], sm_scale=1.0)
+  with pytest.raises(TypeError, match="page_table must have an integer dtype"):
+    mc.mla_decode(cache, 0, q, table.astype(np.float32), lens, sm_scale=1.0)
+  with pytest.raises(ValueError, match="layer_id"):
+    mc.mla_decode(cache, 5, q, table, lens, sm_scale=1.0)
+  with pytest.raises(TypeError, match="layer_id must be a static"):
+    jax.jit(lambda c, l: mc.mla_decode(c, l, q, table, lens, sm_scale=1.0))(cache, 0)
+  with pytest.raises(TypeError, match="sm_scale must be a Python float"):
+    jax.jit(lambda c, s: mc.mla_decode(c, 0, q, table, lens, sm_scale=s))(cache, 1.0)
+  with pytest.raises(TypeError, match="cache must be an MLAKVCache"):
+    mc.mla_decode(cache.buffers, 0, q, table, lens, sm_scale=1.0)
+
+
+def test_64_bit_page_ids_and_lengths_do_not_wrap(rng):
+  cfg = CONFIGS["bf16"]
+  cache = filled_cache(cfg, rng)
+  q = jnp.asarray(rng.standard_normal((1, 1, 2, 576)), jnp.bfloat16)
+  good = np.array([[2, 3]], np.int64)
+  wrapped = good + np.int64(2**32)                    # would be pages 2, 3 if narrowed
+  out, lse = mc.mla_decode(cache, 0, q, wrapped, np.array([32], np.int64), sm_scale=1.0,
+                           implementation="xla")
+  assert np.all(np.isneginf(np.asarray(lse))) and not np.any(np.asarray(out))
+  big_len = np.array([2**32 + 5], np.int64)           # clamped to P * page_size, not 5
+  got = mc.mla_decode(cache, 0, q, good, big_len, sm_scale=1.0, implementation="xla")
+  want = mc.mla_decode(cache, 0, q, good, np.array([32]), sm_scale=1.0, implementation="xla")
+  chex.assert_trees_all_equal(got, want)
+
+
+def test_default_falls_back_to_xla_where_the_kernel_does_not_apply(monkeypatch, rng):
+  cfg = mc.SMALL.replace(size=508, page_size=4)     # page_size 4: not a kernel shape
+  cache = filled_cache(cfg, rng)
+  q, table, lens = problem(cfg, rng, B=2, s_q=1, H=2, P=3)
+  monkeypatch.setattr(mc.dispatch, "_default_implementation", lambda: "pallas")
+  attention._WARNED.clear()
+  with pytest.warns(UserWarning, match="page_size 4"):
+    got = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.5)
+  want = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.5, implementation="xla")
+  chex.assert_trees_all_equal(got, want)
+  with pytest.raises(NotImplementedError, match="page_size 4"):
+    mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.5, implementation="pallas")
+
+
+def test_split_count():
+  assert kernel.split_count(64, 1, 64, 132) == 2
+  assert kernel.split_count(128, 1, 64, 132) == 1
+  assert kernel.split_count(1, 1, 64, 132) == 64      # capped by the blocks
+  assert kernel.split_count(128, 2, 64, 132) == 1
+
+
+# ----------------------------------------------------------------- the kernel, interpreted
+KERNEL_CASES = [
+    # mode, page_size, B, s_q, H, P, splits
+    ("bf16", 16, 3, 1, 16, 10, None),
+    ("bf16", 64, 2, 3, 24, 3, 2),       # 72 query rows: two M tiles
+    ("pth", 32, 2, 2, 16, 5, 3),
+    ("pth", 8, 2, 1, 8, 20, 1),
+]
+
+
+@pytest.mark.parametrize("mode,page_size,B,s_q,H,P,splits", KERNEL_CASES)
+def test_kernel_interpret_matches_reference(mode, page_size, B, s_q, H, P, splits, rng):
+  cfg = CONFIGS[mode].replace(page_size=page_size, size=1024 - page_size + 16 * page_size)
+  cache = filled_cache(cfg, rng)
+  q, table, lens = problem(cfg, rng, B, s_q, H, P)
+  layer = cache.layer(0)
+  args = dict(sm_scale=0.2, page_size=page_size, kv_lora_rank=512)
+  got = jax.jit(lambda *a: kernel.mla_decode(*a, num_splits=splits, **args))(
+      layer, q, jnp.asarray(table), jnp.asarray(lens))
+  want = decode64(layer, q, table, lens, **args)
+  assert_close(got, want)
+
+
+def test_public_op_runs_the_kernel_on_pallas(rng):
+  cfg = CONFIGS["bf16"]
+  cache = filled_cache(cfg, rng)
+  q, table, lens = problem(cfg, rng, B=2, s_q=1, H=16, P=4)
+  got = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.25, implementation="pallas")
+  want = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.25, implementation="xla")
+  assert_close(got, tuple(np.asarray(x, np.float64) for x in want), rtol=1e-2)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "pth"])
+@pytest.mark.parametrize("page_size,B,s_q,H", [(64, 64, 1, 16), (16, 8, 4, 128), (32, 1, 2, 64)])
+def test_kernel_lowers_for_cuda(mode, page_size, B, s_q, H):
+  base = mc.DEEPSEEK_V3 if mode == "bf16" else mc.DEEPSEEK_V3_FP8
+  cfg = base.replace(size=65536 - page_size, page_size=page_size, layer_num=1)
+  spec = mc.cache_spec(cfg)
+  P = 4096 // page_size
+  args = (spec.layer(0), jax.ShapeDtypeStruct((B, s_q, H, 576), jnp.bfloat16),
+          jax.ShapeDtypeStruct((B, P), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
+  f = lambda *a: kernel.mla_decode(*a, sm_scale=0.1, page_size=page_size, kv_lora_rank=512)
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text.lower()
+
+
+@settings(max_examples=6, deadline=None)
+@given(B=st.integers(1, 3), s_q=st.integers(1, 4), H=st.sampled_from([1, 2, 8, 16]),
+       P=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_reference_properties(B, s_q, H, P, seed):
+  """Ragged lengths, bad page ids, any s_q x H: the reference equals the float64 model."""
+  rng = np.random.default_rng(seed)
+  cfg = CONFIGS["pth" if seed % 2 else "bf16"]
+  cache = filled_cache(cfg, rng, spread=1.0)
+  q, table, lens = problem(cfg, rng, B, s_q, H, P)
+  got = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.3, implementation="xla")
+  want = decode64(cache.layer(0), q, table, lens, sm_scale=0.3, page_size=16, kv_lora_rank=512)
+  assert_close(got, want)
+
+
+# ----------------------------------------------------------------- on the GPU
+def _gpu_case(mode, B, s_q, H, max_len, page_size, rng, hostile=False):
+  base = mc.DEEPSEEK_V3 if mode == "bf16" else mc.DEEPSEEK_V3_FP8
+  P = -(-max_len // page_size)
+  cfg = base.replace(size=B * P * page_size, page_size=page_size, layer_num=1)
+  cache = mc.MLAKVCache(buffers=(_random_layer(cfg, rng),), config=cfg)
+  npages = cfg.rows // page_size
+  table = (rng.permutation(npages - 1)[: B * P] + 1).reshape(B, P).astype(np.int32)
+  lens = rng.integers(1, max_len + 1, (B,)).astype(np.int32)
+  lens[0] = max_len
+  if hostile:
+    table[:, ::7] = npages + 1000
+    table[:, 3::11] = -5
+    lens[1::5] = -4
+    lens[2::5] = 10**9
+  q = jnp.asarray(rng.standard_normal((B, s_q, H, 576)) * 0.05, jnp.bfloat16)
+  return cache, q, table, lens
+
+
+def _random_layer(cfg, rng):
+  from jax_mla_cache import bench
+  return bench.decode_cache(cfg, seed=int(rng.integers(2**16))).layer(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16", "pth"])
+@pytest.mark.parametrize("B,s_q,H,max_len", [
+    (8, 1, 16, 32768), (16, 2, 64, 4096), (4, 4, 128, 2048), (33, 1, 16, 1000), (2, 1, 128, 70)])
+def test_gpu_kernel_matches_reference(mode, B, s_q, H, max_len):
+  rng = np.random.default_rng(B * 100 + s_q * 10 + H)
+  cache, q, table, lens = _gpu_case(mode, B, s_q, H, max_len, 64, rng)
+  got = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.07, implementation="pallas")
+  want = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.07, implementation="xla")
+  assert_close(got, tuple(np.asarray(x, np.float64) for x in want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16", "pth"])
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_gpu_kernel_hostile_page_tables_and_page_sizes(mode, page_size):
+  rng = np.random.default_rng(page_size)
+  cache, q, table, lens = _gpu_case(mode, 12, 2, 16, 3000, page_size, rng, hostile=True)
+  got = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.07, implementation="pallas")
+  want = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.07, implementation="xla")
+  assert_close(got, tuple(np.asarray(x, np.float64) for x in want))
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_against_float64_small(rng):
+  for mode in ("bf16", "pth"):
+    cfg = CONFIGS[mode]
+    cache = filled_cache(cfg, rng)
+    q, table, lens = problem(cfg, rng, B=3, s_q=2, H=16, P=9)
+    got = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.3, implementation="pallas")
+    want = decode64(cache.layer(0), q, table, lens, sm_scale=0.3, page_size=16, kv_lora_rank=512)
+    assert_close(got, want)
