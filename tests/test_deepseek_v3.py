@@ -51,6 +51,7 @@ FP8_AGREEMENT = 0.95
 FP8_MEAN_KL = 5e-3
 PALLAS_STEPS = 2
 PALLAS_BATCH = 4
+PALLAS_ATTENTION_TOL = 0.05
 SLOW = os.environ.get("JAX_MLA_CACHE_SLOW_TESTS") == "1"
 
 CACHES = {
@@ -72,7 +73,7 @@ def golden(path: str) -> dict[str, np.ndarray]:
     return {k: f[k] for k in f.files}
 
 
-def run(path: str, cache_name: str, steps: int = 8, implementation=None, attention="gather",
+def run(path: str, cache_name: str, steps: int = 8, implementation=None, attention="mla_decode",
         batch: int | None = None):
   """Prefill (all positions' logits) + `steps` teacher-forced decode steps of the first `batch`
   prompts (default all).
@@ -163,27 +164,45 @@ def test_fp8_per_token_head_greedy_agreement_and_kl(path):
 
 
 @pytest.mark.parametrize("cache_name", ["bf16", "fp8_per_token_head"])
-def test_pallas_interpret_equals_xla(cache_name):
-  """The Pallas kernels (interpret mode on CPU) in the model: they write and read the same
-  bytes as the XLA path, so the logits are the XLA path's, whose accuracy the tests above
-  bound. Interpret mode is slow (~10 s a decode step here), so this runs PALLAS_BATCH prompts
-  for PALLAS_STEPS steps; JAX_MLA_CACHE_SLOW_TESTS=1 runs every prompt for 8 steps and then
-  also asserts the accuracy bounds (measured: as the XLA path, 122/128 for FP8)."""
+def test_pallas_interpret_against_xla_and_transformers(cache_name):
+  """The Pallas kernels (interpret mode on CPU) in the model: the writes store the same bytes
+  as the XLA path's; `mla_decode`'s kernel (bf16 probabilities on the tensor cores) moves the
+  logits by up to PALLAS_ATTENTION_TOL from the XLA path's float32 softmax. Interpret mode
+  is slow (~10 s a decode step here), so this runs PALLAS_BATCH prompts for PALLAS_STEPS
+  steps; JAX_MLA_CACHE_SLOW_TESTS=1 runs every prompt for 8 steps and then also asserts the
+  greedy-agreement bound."""
   batch, steps = (None, 8) if SLOW else (PALLAS_BATCH, PALLAS_STEPS)
   pallas = run(V3, cache_name, steps, implementation="pallas", batch=batch)
   xla = run(V3, cache_name, steps, implementation="xla", batch=batch)
   stats = report(f"{cache_name} cache, pallas (interpret)", V3, pallas)
-  np.testing.assert_allclose(pallas["prefill"], xla["prefill"], rtol=0, atol=1e-5)
-  np.testing.assert_allclose(pallas["decode"], xla["decode"], rtol=0, atol=1e-5)
-  for layer_p, layer_x in zip(pallas["cache"].buffers, xla["cache"].buffers):
+  # Same bytes: every row of layer 0 (its decode rows depend on the tokens only) and the
+  # prompt rows of every layer (later layers' decode rows follow the attention's output).
+  lengths = golden(V3)["lengths"][:pallas["prefill"].shape[0]]
+  page_table = np.asarray(pallas["page_table"])
+  prompt_rows = np.concatenate([page_table[b, np.arange(n) // PAGE_SIZE] * PAGE_SIZE
+                                + np.arange(n) % PAGE_SIZE for b, n in enumerate(lengths)])
+  for layer, (layer_p, layer_x) in enumerate(zip(pallas["cache"].buffers, xla["cache"].buffers)):
     for buf_p, buf_x in zip(layer_p, layer_x):
-      np.testing.assert_array_equal(np.asarray(buf_p).view(np.uint8),
-                                    np.asarray(buf_x).view(np.uint8))
+      rows = slice(None) if layer == 0 else prompt_rows
+      np.testing.assert_array_equal(np.asarray(buf_p)[rows].view(np.uint8),
+                                    np.asarray(buf_x)[rows].view(np.uint8))
+  np.testing.assert_allclose(pallas["prefill"], xla["prefill"], rtol=0, atol=1e-5)
+  np.testing.assert_allclose(pallas["decode"], xla["decode"], rtol=0, atol=PALLAS_ATTENTION_TOL)
   assert prefill_error(V3, pallas["prefill"]) <= F32_TOL
+  assert stats["mean_kl"] <= FP8_MEAN_KL, stats
   if cache_name == "bf16":
     assert stats["max_abs"] <= BF16_TOL
-  elif SLOW:
-    assert stats["agreement"] >= FP8_AGREEMENT and stats["mean_kl"] <= FP8_MEAN_KL, stats
+  if SLOW or cache_name == "bf16":
+    assert stats["agreement"] >= FP8_AGREEMENT, stats
+
+
+@pytest.mark.parametrize("cache_name", ["bf16", "fp8_per_token_head"])
+def test_gather_attention_equals_mla_decode(cache_name):
+  """attention="gather" (get_mla_kv_buffer + softmax) and "mla_decode" (in place) compute
+  the same attention: logits equal to float32 rounding."""
+  by_gather = run(V3, cache_name, 3, implementation="xla", attention="gather")
+  in_place = run(V3, cache_name, 3, implementation="xla", attention="mla_decode")
+  np.testing.assert_allclose(by_gather["decode"], in_place["decode"], rtol=0, atol=1e-4)
 
 
 def test_generate_reproduces_transformers_greedy_tokens():

@@ -20,6 +20,7 @@ dn = qk_nope_head_dim, dv = v_head_dim; Hugging Face weight names in brackets)::
     prefill: attention over the prompt's own latents in the expanded form (k_nope = c_kv W_UK^T,
              v = c_kv W_UV), as serving engines run prefill; the rows are only written.
     decode:  q = [q_nope @ W_UK | rope(q_rope)]                  the absorbed query (H, R + dr)
+             (mla_decode, or the gather path)
              o_latent = softmax(sm_scale * q . [c | k_r]) @ c     over the cached rows
              o = o_latent @ W_UV                                 (H, dv)
     x            += o_proj(o)
@@ -32,14 +33,16 @@ same attention as Hugging Face's de-interleaved `rope_interleave`); the softmax 
 `deepseek_softmax_scale`. Tokens live in cache rows through a page table
 (`mla_demo.token_slots`; page 0 is the padding page).
 
-Two seams for ops being built elsewhere, each a function with the op's exact signature:
+The decode step's two cache calls:
 
-* `rope_set_mla_kv_buffer` (SPEC §8, the fused RoPE + query assembly + latent write): here
-  the unfused composition `apply_rope` + `set_mla_kv_buffer` + concatenate.
-* the decode attention (SPEC §7, `mla_decode`): `attention="gather"` runs
-  `gather_mla_decode` (`get_mla_kv_buffer` of the context rows through the page table, then a
-  masked float32 softmax); `attention="mla_decode"` calls `jax_mla_cache.mla_decode` once it
-  exists.
+* the latent write: `rope_set_mla_kv_buffer` here is SPEC §8's fused RoPE + query assembly +
+  latent write as its unfused composition (`apply_rope` + `set_mla_kv_buffer` + concatenate),
+  with the fused op's exact signature: the seam for the fused kernel being built elsewhere.
+* the attention (SPEC §7): `attention="mla_decode"` (default) calls `jax_mla_cache.mla_decode`,
+  which reads the cache in place (the Mosaic GPU kernel on sm_90+); `attention="gather"` runs
+  `gather_mla_decode`, the same semantics through `get_mla_kv_buffer` of every context row
+  and a masked float32 softmax. The query goes to either in `attention_q_dtype` (what the
+  kernel reads: bf16 for a bf16 or per_token_head cache).
 
 Supported: `model_type` "deepseek_v3" (sigmoid scores + `e_score_correction_bias`, group scores
 = sum of each group's top 2, `noaux_tc`) and "deepseek_v2" (softmax scores, `topk_method`
@@ -80,6 +83,7 @@ import ml_dtypes
 import numpy as np
 
 from jax_mla_cache import dispatch
+from jax_mla_cache.attention import mla_decode
 from jax_mla_cache.config import MLACacheConfig
 from jax_mla_cache.models.mla_demo import rms_norm, token_slots
 from jax_mla_cache.rope import apply_rope, cos_sin_cache_from_hf_config, deepseek_softmax_scale
@@ -570,7 +574,7 @@ def gather_mla_decode(
     cache: MLAKVCache, layer_id: int, q: jax.Array, page_table: jax.Array, seq_lens: jax.Array,
     *, sm_scale: float, implementation: dispatch.Implementation = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """SPEC §7's paged MLA decode attention on the gather path (the seam until `mla_decode`).
+  """SPEC §7's paged MLA decode attention on the gather path (`attention="gather"`).
 
   Gathers the P * page_size rows of each sequence through the page table with
   `get_mla_kv_buffer` (dequantized to float32) and runs a masked float32 softmax.
@@ -630,13 +634,19 @@ def _decode_attention(attention: str):
   if attention == "gather":
     return gather_mla_decode
   if attention == "mla_decode":
-    import jax_mla_cache
-    op = getattr(jax_mla_cache, "mla_decode", None)
-    if op is None:
-      raise NotImplementedError("attention='mla_decode': jax_mla_cache.mla_decode is not "
-                                "available in this version; use attention='gather'")
-    return op
+    return mla_decode
   raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+
+
+def attention_q_dtype(cache_config: MLACacheConfig) -> np.dtype:
+  """The dtype the decode query is handed to the attention in: what `mla_decode`'s kernel
+  reads (the cache's dtype for plain bf16/f16 rows, `model_dtype` for per_token_head), else
+  float32 (a float32 or plain fp8 cache: the XLA path)."""
+  if cache_config.quantized:
+    return jnp.dtype(cache_config.model_dtype)
+  if cache_config.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return jnp.dtype(cache_config.dtype)
+  return jnp.dtype(F32)
 
 
 # ----------------------------------------------------------------- forward passes
@@ -727,7 +737,8 @@ def _decode_layer(
   # Seam: the fused RoPE + query assembly + latent write (SPEC §8).
   cache, q = rope_set_mla_kv_buffer(
       cache, layer_id, write_loc, positions, q_latent, q_rope, c_kv[:, None], k_rope[:, None],
-      params.cos_sin_cache, q_out_dtype=dtype, implementation=implementation)
+      params.cos_sin_cache, q_out_dtype=attention_q_dtype(cache.config),
+      implementation=implementation)
   # Seam: the paged decode attention (SPEC §7).
   out, _ = _decode_attention(attention)(
       cache, layer_id, q[:, None], page_table, positions + 1, sm_scale=c.softmax_scale,
@@ -742,7 +753,7 @@ def _decode_layer(
 def decode_step(
     params: DeepseekParams, cache: MLAKVCache, tokens: jax.Array, positions: jax.Array,
     page_table: jax.Array, implementation: dispatch.Implementation = None,
-    attention: Attention = "gather",
+    attention: Attention = "mla_decode",
 ) -> tuple[jax.Array, MLAKVCache]:
   """One decode step (donates `cache`).
 
@@ -751,7 +762,8 @@ def decode_step(
       (= tokens already cached for that sequence).
     page_table: (B, P) int.
     implementation: the cache ops' implementation.
-    attention: "gather" (`gather_mla_decode`) or "mla_decode" (`jax_mla_cache.mla_decode`).
+    attention: "mla_decode" (`jax_mla_cache.mla_decode`, reads the cache in place) or
+      "gather" (`gather_mla_decode`: the context rows copied out by `get_mla_kv_buffer`).
   Returns:
     (logits (B, V) float32, the new cache).
   """
@@ -768,7 +780,8 @@ def decode_step(
 
 def generate(
     params: DeepseekParams, cache: MLAKVCache, tokens: Any, lengths: Any, page_table: Any,
-    steps: int, implementation: dispatch.Implementation = None, attention: Attention = "gather",
+    steps: int, implementation: dispatch.Implementation = None,
+    attention: Attention = "mla_decode",
 ) -> tuple[np.ndarray, np.ndarray, MLAKVCache]:
   """Greedy generation for a batch of prompts of different lengths.
 
