@@ -1,7 +1,9 @@
 """`python -m jax_mla_cache {demo,bench} [args]`.
 
 demo   the main job: a DeepSeek-style MLA model's prefill + decode steps on the
-       cache (GPU if present), then the kernel benchmark table (`--no-bench` skips it).
+       cache (GPU if present), then DeepSeek-V3 from a Hugging Face checkpoint on the cache
+       (`--deepseek*` options, `--no-deepseek` skips it), then the kernel benchmark table
+       (`--no-bench` skips it).
 bench  the kernel benchmark alone; writes benchmarks/results/<device>.json + .png.
 """
 
@@ -21,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     from jax_mla_cache import demo
     run_bench = "--no-bench" not in argv
     argv = [a for a in argv if a != "--no-bench"]
+    argv, deepseek_argv = demo.split_deepseek_args(argv)
     demo.main(argv)
+    demo.deepseek_main(deepseek_argv)
     if run_bench:
       from jax_mla_cache import bench
       print()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 import time
 from typing import Any
@@ -27,6 +28,7 @@ import numpy as np
 
 import jax_mla_cache as mc
 from jax_mla_cache import bench
+from jax_mla_cache.models import deepseek_v3 as ds_model
 from jax_mla_cache.models import mla_demo
 
 GPU_MODEL = dict(hidden_size=1024, num_heads=16, qk_nope_head_dim=128, v_head_dim=128,
@@ -259,3 +261,212 @@ def _print_table(r: dict[str, Any], batch: int, context: int, cfg: mc.MLACacheCo
 
 if __name__ == "__main__":
   main()
+
+
+# ===================================================================== DeepSeek-V3 on the cache
+# `python -m jax_mla_cache demo` also runs `jax_mla_cache.models.deepseek_v3`: the tiny
+# checkpoint of tests/fixtures (a real Hugging Face directory, checked against transformers'
+# logits) on any device, and on a GPU a DeepSeek-V3-shaped model with random weights. Options
+# of this section all start with --deepseek (`split_deepseek_args` hands them here).
+
+DEEPSEEK_FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests", "fixtures", "deepseek_v3_tiny")
+_DEEPSEEK_VALUE_OPTIONS = ("--deepseek-checkpoint", "--deepseek-quant", "--deepseek-attention",
+                           "--deepseek-layers", "--deepseek-batch", "--deepseek-prompt-len",
+                           "--deepseek-steps", "--deepseek-iters")
+
+
+def split_deepseek_args(argv: list[str]) -> tuple[list[str], list[str]]:
+  """(the main demo's arguments, this section's `--deepseek*` ones)."""
+  rest, mine = [], []
+  it = iter(argv)
+  for arg in it:
+    if arg.startswith("--deepseek") or arg == "--no-deepseek" or arg.startswith("--no-deepseek"):
+      mine.append(arg)
+      if arg in _DEEPSEEK_VALUE_OPTIONS:
+        mine.append(next(it, ""))
+    else:
+      rest.append(arg)
+  return rest, mine
+
+
+def _parse_deepseek(argv: list[str], on_gpu: bool) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="python -m jax_mla_cache demo (DeepSeek-V3 section)")
+  parser.add_argument("--deepseek", action=argparse.BooleanOptionalAction, default=True,
+                      help="run this section")
+  parser.add_argument("--deepseek-checkpoint", default=DEEPSEEK_FIXTURE,
+                      help="a Hugging Face DeepSeek-V2/V3 directory (default: the tiny fixture)")
+  parser.add_argument("--deepseek-shaped", action=argparse.BooleanOptionalAction, default=on_gpu,
+                      help="also a DeepSeek-V3-shaped model with random weights (GPU default)")
+  parser.add_argument("--deepseek-quant", choices=("none", "per_token_head"), default="none",
+                      help="cache storage: plain bf16, or per_token_head fp8")
+  parser.add_argument("--deepseek-attention", choices=ds_model.ATTENTIONS, default="mla_decode")
+  parser.add_argument("--deepseek-layers", type=int, default=4, help="shaped model's layers")
+  parser.add_argument("--deepseek-batch", type=int, default=32, help="shaped model's batch")
+  parser.add_argument("--deepseek-prompt-len", type=int, default=512,
+                      help="shaped model's longest prompt")
+  parser.add_argument("--deepseek-steps", type=int, default=None,
+                      help="decode steps (default: the golden file's, or 32)")
+  parser.add_argument("--deepseek-iters", type=int, default=20 if on_gpu else 5,
+                      help="calls per timing of the step-share breakdown")
+  return parser.parse_args(argv)
+
+
+def decode_step_breakdown(
+    params: ds_model.DeepseekParams, cache: mc.MLAKVCache, tokens: jax.Array,
+    positions: jax.Array, page_table: jax.Array, implementation: str | None, attention: str,
+    iters: int,
+) -> tuple[dict[str, Any], mc.MLAKVCache]:
+  """Time one decode step, and the cache calls it makes run alone with the same shapes.
+
+  Method: `bench.time_per_call` of (a) the jitted decode step, (b) a jitted function making
+  only the step's latent writes (`rope_set_mla_kv_buffer` in every layer: RoPE + the write
+  at the step's slots) and (c) one making only its attention calls over the cache (every
+  layer's `mla_decode`, or the gather path), on random queries and latents of the step's
+  shapes and dtypes. On a GPU each figure is device time (the sum of the GPU kernels a call
+  launches, from a profiler trace), so share = (b + c) / a is the part of the step's GPU
+  time spent in cache ops; on CPU it is wall clock per call (dispatch included).
+  Returns ({"step_us", "write_us", "attention_us", "method"}, the cache).
+  """
+  c = params.config
+  B, L = tokens.shape[0], c.num_hidden_layers
+  H, R, dr = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+  rng = np.random.default_rng(0)
+  random = lambda shape, dtype: jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+  q_dtype = ds_model.attention_q_dtype(cache.config)
+  q_latent, q_rope = random((B, H, R), params.dtype), random((B, H, dr), params.dtype)
+  c_kv, k_rope = random((B, 1, R), params.dtype), random((B, 1, dr), params.dtype)
+  q = random((B, 1, H, R + dr), q_dtype)
+  write_loc = mla_demo.token_slots(page_table, positions[:, None], cache.config.page_size)[:, 0]
+  attend_fn = ds_model.gather_mla_decode if attention == "gather" else mc.mla_decode
+
+  @jax.jit
+  def attend(cache):
+    return [attend_fn(cache, layer, q, page_table, positions + 1, sm_scale=c.softmax_scale,
+                      implementation=implementation)[0] for layer in range(L)]
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def writes(cache):
+    q_out = []
+    for layer in range(L):
+      cache, q_layer = ds_model.rope_set_mla_kv_buffer(
+          cache, layer, write_loc, positions, q_latent, q_rope, c_kv, k_rope,
+          params.cos_sin_cache, q_out_dtype=q_dtype, implementation=implementation)
+      q_out.append(q_layer)
+    return cache, q_out
+
+  def step(state):
+    return ds_model.decode_step(params, state[1], tokens, positions, page_table, implementation,
+                                attention)
+
+  attention_us, _, _ = bench.time_per_call(lambda _: attend(cache), None, iters)
+  write_us, (cache, _), _ = bench.time_per_call(lambda s: writes(s[0]), (cache, None), iters)
+  step_us, (_, cache), method = bench.time_per_call(step, (None, cache), iters)
+  return dict(step_us=step_us, write_us=write_us, attention_us=attention_us, method=method), cache
+
+
+def _deepseek_run(name: str, params: ds_model.DeepseekParams, cache_cfg: mc.MLACacheConfig,
+                  prompts: np.ndarray, lengths: np.ndarray, steps: int,
+                  implementation: str | None, attention: str, iters: int,
+                  golden: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+  """Prefill + greedy decode of one model; prints and returns its figures."""
+  B, S = prompts.shape
+  c = params.config
+  print(f"\n{name}: {c.model_type}, {c.num_hidden_layers} layers "
+        f"({sum(map(c.is_moe_layer, range(c.num_hidden_layers)))} MoE, "
+        f"{c.n_routed_experts} experts computed densely), hidden {c.hidden_size}, "
+        f"{c.num_attention_heads} heads, q_lora_rank {c.q_lora_rank}, latent "
+        f"{c.kv_lora_rank} + {c.qk_rope_head_dim}, weights {jnp.dtype(params.dtype).name}; cache "
+        f"{cache_cfg.quant_method or jnp.dtype(cache_cfg.dtype).name}, page {cache_cfg.page_size}, "
+        f"attention {attention}")
+  print(f"  batch {B}, prompts of {int(lengths.min())}..{int(lengths.max())} tokens, "
+        f"{steps} decode steps", flush=True)
+  cache = mc.init_cache(cache_cfg)
+  page_table = jnp.asarray(mla_demo.make_page_table(B, S + steps, cache_cfg))
+  prompts_j, lengths_j = jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths, jnp.int32)
+  t0 = time.perf_counter()
+  prefill = ds_model.prefill.lower(params, cache, prompts_j, lengths_j, page_table,
+                                   implementation).compile()
+  decode = ds_model.decode_step.lower(params, cache, lengths_j, lengths_j, page_table,
+                                      implementation, attention).compile()
+  compile_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  logits, cache = prefill(params, cache, prompts_j, lengths_j, page_table)
+  logits.block_until_ready()
+  prefill_s = time.perf_counter() - t0
+  greedy = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+  greedy(logits).block_until_ready()  # compiled before the clock starts
+  generated = []
+  t0 = time.perf_counter()
+  for i in range(steps):
+    tokens = greedy(logits)
+    logits, cache = decode(params, cache, tokens, lengths_j + i, page_table)
+    generated.append(tokens)
+  logits.block_until_ready()
+  decode_s = time.perf_counter() - t0
+  generated = np.asarray(jnp.stack(generated, 1))
+  breakdown, cache = decode_step_breakdown(params, cache, tokens, lengths_j + steps - 1,
+                                           page_table, implementation, attention, iters)
+  share = (breakdown["write_us"] + breakdown["attention_us"]) / breakdown["step_us"]
+  result = dict(
+      prefill_tokens_per_s=int(lengths.sum()) / prefill_s, decode_tokens_per_s=B * steps / decode_s,
+      decode_ms_per_step=decode_s / steps * 1e3, compile_s=compile_s, cache_share=share,
+      generated=generated, **breakdown)
+  unit = "device" if breakdown["method"] == "profiler" else "wall clock"
+  print(f"  compile {compile_s:.1f} s; prefill {_rate(result['prefill_tokens_per_s'])} tokens/s "
+        f"({prefill_s * 1e3:.1f} ms); decode {_rate(result['decode_tokens_per_s'])} tokens/s "
+        f"({result['decode_ms_per_step']:.2f} ms/step, greedy loop)")
+  print(f"  decode step {breakdown['step_us']:,.1f} us ({unit}); its cache ops alone: writes "
+        f"{breakdown['write_us']:,.1f} us + attention over the cache {breakdown['attention_us']:,.1f} us"
+        f" = {share:.1%} of the step")
+  if golden is not None:
+    same = generated == golden["decode_tokens"][:, :steps]
+    result["golden_agreement"] = float(same.mean())
+    print(f"  greedy tokens equal to transformers' (free-running): {int(same.sum())}/{same.size} "
+          f"steps, {int(same.all(1).sum())}/{B} sequences entirely")
+  return result
+
+
+def deepseek_main(argv: list[str] | None = None) -> dict[str, Any]:
+  """The DeepSeek-V3 section of the demo (options: `--deepseek*`); returns its figures."""
+  device = jax.devices()[0]
+  on_gpu = device.platform == "gpu"
+  args = _parse_deepseek(list(argv or []), on_gpu)
+  results: dict[str, Any] = {}
+  if not args.deepseek:
+    return results
+  implementation = None
+  quant = dict(dtype=jnp.float8_e4m3fn, quant_method="per_token_head") \
+      if args.deepseek_quant == "per_token_head" else dict(dtype=jnp.bfloat16)
+  path = args.deepseek_checkpoint
+  if os.path.isfile(os.path.join(path, "config.json")):
+    golden_file = os.path.join(path, "golden.npz")
+    golden = dict(np.load(golden_file)) if os.path.isfile(golden_file) else None
+    if golden is not None:
+      prompts, lengths = golden["prompts"], golden["lengths"]
+      steps = args.deepseek_steps or golden["decode_tokens"].shape[1]
+    else:
+      prompts = np.random.default_rng(0).integers(0, 100, (4, 16)).astype(np.int32)
+      lengths, steps = np.array([16, 5, 9, 12], np.int32), args.deepseek_steps or 32
+    params = ds_model.load_checkpoint(path, max_position=prompts.shape[1] + steps)
+    size = len(lengths) * -(-(prompts.shape[1] + steps) // 16) * 16
+    cache_cfg = ds_model.cache_config(params.config, size=size, page_size=16, **quant)
+    results["checkpoint"] = _deepseek_run(
+        f"DeepSeek checkpoint {path}", params, cache_cfg, prompts, lengths, steps,
+        implementation, args.deepseek_attention, args.deepseek_iters, golden)
+  else:
+    print(f"\nDeepSeek checkpoint: no config.json in {path} (skipped)")
+  if args.deepseek_shaped:
+    config = ds_model.deepseek_v3_shaped(num_hidden_layers=args.deepseek_layers)
+    B, S = args.deepseek_batch, args.deepseek_prompt_len
+    steps = args.deepseek_steps or 32
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, config.vocab_size, (B, S)).astype(np.int32)
+    lengths = rng.integers(S // 2, S + 1, B).astype(np.int32)
+    params = ds_model.random_params(config, dtype=jnp.bfloat16, max_position=S + steps)
+    size = B * -(-(S + steps) // 64) * 64
+    cache_cfg = ds_model.cache_config(config, size=size, page_size=64, **quant)
+    results["shaped"] = _deepseek_run(
+        "DeepSeek-V3-shaped, random weights", params, cache_cfg, prompts, lengths, steps,
+        implementation, args.deepseek_attention, args.deepseek_iters)
+  return results
