@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, memcheck with hostile slots, diagnostics, benchmark.
 # Usage (device tool): bash benchmarks/gpu_session.sh
-#   [tests|decode|decode_bench|moves|sanitize|diag|diag_moves|ptx|bench|sweep]...
+#   [tests|decode|decode_bench|deepseek|moves|sanitize|diag|diag_moves|ptx|bench|sweep]...
 #   (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
 #
 # Budget notes (H200, jax 0.11.2): lowering one 61-layer Mosaic move kernel takes ~20 s of
@@ -27,6 +27,12 @@ fi
 if want decode_bench; then
   timeout ${DECODE_BENCH_TIMEOUT:-240} python3 -m jax_mla_cache bench --ops decode --iters 10 \
     --no-plot --out "$OUT/decode.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/decode_bench.log"
+fi
+if want deepseek; then  # DeepSeek-V3 on the cache vs transformers' logits, then the demo section
+  timeout -s INT ${DEEPSEEK_TIMEOUT:-300} "${PYTEST[@]}" -s --durations=5 tests/test_deepseek_v3.py \
+    > "$OUT/gpu_deepseek_tests.log" 2>&1; tail -25 "$OUT/gpu_deepseek_tests.log"
+  timeout ${DEEPSEEK_DEMO_TIMEOUT:-300} python3 -c "from jax_mla_cache import demo; demo.deepseek_main()" \
+    2>&1 | tee "$OUT/deepseek_demo.log"
 fi
 if want moves; then   # 61-layer move kernels: ~20 s of lowering per streamed case
   timeout -s INT ${MOVES_TIMEOUT:-300} "${PYTEST[@]}" --durations=5 tests/test_pallas_move.py \

@@ -417,7 +417,8 @@ def _deepseek_run(name: str, params: ds_model.DeepseekParams, cache_cfg: mc.MLAC
         f"({prefill_s * 1e3:.1f} ms); decode {_rate(result['decode_tokens_per_s'])} tokens/s "
         f"({result['decode_ms_per_step']:.2f} ms/step, greedy loop)")
   print(f"  decode step {breakdown['step_us']:,.1f} us ({unit}); its cache ops alone: writes "
-        f"{breakdown['write_us']:,.1f} us + attention over the cache {breakdown['attention_us']:,.1f} us"
+        f"{breakdown['write_us']:,.1f} us + attention over the cache "
+        f"{breakdown['attention_us']:,.1f} us"
         f" = {share:.1%} of the step")
   if golden is not None:
     same = generated == golden["decode_tokens"][:, :steps]

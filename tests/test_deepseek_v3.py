@@ -1,4 +1,4 @@
-"""DeepSeek-V3/V2 on the cache (`jax_mla_cache.models.deepseek_v3`) against Hugging Face transformers.
+"""DeepSeek-V3/V2 on the cache (`jax_mla_cache.models.deepseek_v3`) against HF transformers.
 
 The fixtures (`tests/fixtures/deepseek_v{3,2}_tiny`, made by `make_deepseek_v3.py` with
 torch + transformers, which the tests never import) hold tiny random checkpoints with DeepSeek's
@@ -37,12 +37,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import jax_mla_cache as mc
-from jax_mla_cache import rope as rope_lib
-from jax_mla_cache.models import deepseek_v3 as ds
-from jax_mla_cache.models import mla_demo
-from tests.conftest import has_gpu
-from tests.test_inplace import copies_of_cache
+pytest.importorskip("safetensors", reason="the checkpoint loader reads the fixtures with "
+                    "safetensors (the 'models' extra; included in 'test')")
+
+import jax_mla_cache as mc  # noqa: E402
+from jax_mla_cache import rope as rope_lib  # noqa: E402
+from jax_mla_cache.models import deepseek_v3 as ds  # noqa: E402
+from jax_mla_cache.models import mla_demo  # noqa: E402
+from tests.conftest import has_gpu  # noqa: E402
+from tests.test_inplace import copies_of_cache  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 V3 = os.path.join(FIXTURES, "deepseek_v3_tiny")
@@ -125,7 +128,8 @@ def step_stats(path: str, logits: np.ndarray) -> dict[str, float]:
 
 def report(name: str, path: str, result) -> dict[str, float]:
   stats = step_stats(path, result["decode"])
-  print(f"\n{name} {os.path.basename(path)}: prefill max|err| {prefill_error(path, result['prefill']):.3g}, "
+  print(f"\n{name} {os.path.basename(path)}: "
+        f"prefill max|err| {prefill_error(path, result['prefill']):.3g}, "
         f"decode max|err| {stats['max_abs']:.3g}, greedy {stats['agreeing']}/{stats['steps']} "
         f"({stats['agreement']:.1%}), mean KL {stats['mean_kl']:.3g}")
   return stats
@@ -194,7 +198,8 @@ def test_pallas_interpret_against_xla_and_transformers(cache_name):
   # Within the kernel's tolerance at every step, but for a step where the difference flips a
   # MoE layer's top-k choice (routing is discontinuous; one step of 256 in the full run).
   step_diff = np.abs(pallas["decode"] - xla["decode"]).max(-1)
-  assert (step_diff > PALLAS_ATTENTION_TOL).mean() <= 0.01, np.argwhere(step_diff > PALLAS_ATTENTION_TOL)
+  over = step_diff > PALLAS_ATTENTION_TOL
+  assert over.mean() <= 0.01, np.argwhere(over)
   assert prefill_error(V3, pallas["prefill"]) <= F32_TOL
   assert stats["mean_kl"] <= FP8_MEAN_KL, stats
   if cache_name == "bf16":
@@ -314,13 +319,15 @@ def test_rope_seam_equals_apply_rope_then_set():
   table = jnp.asarray(rope_lib.yarn_cos_sin_cache(64, 64, 10000.0, factor=40.0,
                                                   original_max_position_embeddings=4096))
   pos, loc = jnp.array([3, 50]), jnp.array([17, 40])
-  q_nope, q_rope = r.standard_normal((2, 4, 512), np.float32), r.standard_normal((2, 4, 64), np.float32)
-  k_nope, k_rope = r.standard_normal((2, 1, 512), np.float32), r.standard_normal((2, 1, 64), np.float32)
+  normal = lambda *shape: r.standard_normal(shape, np.float32)
+  q_nope, q_rope = normal(2, 4, 512), normal(2, 4, 64)
+  k_nope, k_rope = normal(2, 1, 512), normal(2, 1, 64)
   cache, q_out = ds.rope_set_mla_kv_buffer(mc.init_cache(cfg), 0, loc, pos, q_nope, q_rope, k_nope,
                                            k_rope, table)
   nope, rope = mc.get_mla_kv_buffer(cache, 0, loc)
   np.testing.assert_array_equal(np.asarray(nope), k_nope)
-  np.testing.assert_array_equal(np.asarray(rope), np.asarray(rope_lib.apply_rope(k_rope, pos, table)))
+  np.testing.assert_array_equal(np.asarray(rope),
+                                np.asarray(rope_lib.apply_rope(k_rope, pos, table)))
   np.testing.assert_array_equal(np.asarray(q_out[..., :512]), q_nope)
   np.testing.assert_array_equal(np.asarray(q_out[..., 512:]),
                                 np.asarray(rope_lib.apply_rope(q_rope, pos, table)))
@@ -344,7 +351,8 @@ def test_config_from_both_rope_layouts():
   assert (a.scoring_func, a.topk_method, a.q_lora_rank) == ("sigmoid", "noaux_tc", 48)
   assert [a.is_moe_layer(i) for i in range(3)] == [False, True, True]
   v2 = params(V2).config
-  assert (v2.scoring_func, v2.topk_method, v2.q_lora_rank) == ("softmax", "group_limited_greedy", None)
+  assert (v2.scoring_func, v2.topk_method, v2.q_lora_rank) == \
+      ("softmax", "group_limited_greedy", None)
 
 
 def _write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
@@ -384,7 +392,8 @@ def test_fp8_block_quantized_and_bf16_weights_load(tmp_path):
         for j in range(cols):
           tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
           scale[i, j] = np.abs(tile).max() / 448
-          q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / scale[i, j]).astype(q.dtype)
+          q[i * block:(i + 1) * block, j * block:(j + 1) * block] = \
+              (tile / scale[i, j]).astype(q.dtype)
       tensors[name], tensors[name[:-len("weight")] + "weight_scale_inv"] = q, scale
       expected[name] = q.astype(np.float32) * np.repeat(np.repeat(scale, block, 0), block, 1)[
           : w.shape[0], : w.shape[1]]

@@ -49,10 +49,11 @@ Supported: `model_type` "deepseek_v3" (sigmoid scores + `e_score_correction_bias
 "greedy" or "group_limited_greedy" with group max, the scaling factor applied only without
 `norm_topk_prob`, as DeepSeek's own V2 code); `q_lora_rank` null or not; `moe_layer_freq`;
 YaRN or no rope scaling; float32/bfloat16/float16 weights, and FP8 block-quantized weights
-with `weight_scale_inv` (DeepSeek-V3's release; blocks of `quantization_config.weight_block_size`,
-dequantized to float32 on load, then cast to the params' dtype). Weight layouts: the per-expert names of real
-checkpoints (`mlp.experts.{e}.gate_proj.weight`, ...) and transformers 5's fused in-memory
-names (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`). Layers past `num_hidden_layers`
+with `weight_scale_inv` (DeepSeek-V3's release; blocks of
+`quantization_config.weight_block_size`, dequantized to float32 on load, then cast to the
+params' dtype). Weight layouts: the per-expert names of real checkpoints
+(`mlp.experts.{e}.gate_proj.weight`, ...) and transformers 5's fused in-memory names
+(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`). Layers past `num_hidden_layers`
 (DeepSeek-V3's multi-token-prediction layer 61) are ignored.
 
 The MoE computes every routed expert for every token and weights them by the router's
@@ -194,7 +195,8 @@ class DeepseekConfig:
         and layer_id % self.moe_layer_freq == 0
 
   def cos_sin_cache(self, max_position: int | None = None) -> np.ndarray:
-    """(max_position, qk_rope_head_dim) float32 [cos | sin] (`rope.cos_sin_cache_from_hf_config`)."""
+    """(max_position, qk_rope_head_dim) float32 [cos | sin]
+    (`rope.cos_sin_cache_from_hf_config`)."""
     return cos_sin_cache_from_hf_config(
         dict(qk_rope_head_dim=self.qk_rope_head_dim, rope_theta=self.rope_theta,
              max_position_embeddings=self.max_position_embeddings,
@@ -383,7 +385,8 @@ def load_checkpoint(
                       c.v_head_dim, c.kv_lora_rank)
 
   def mlp(prefix: str) -> DenseMLP:
-    return DenseMLP(gate=linear(f"{prefix}.gate_proj.weight"), up=linear(f"{prefix}.up_proj.weight"),
+    return DenseMLP(gate=linear(f"{prefix}.gate_proj.weight"),
+                    up=linear(f"{prefix}.up_proj.weight"),
                     down=linear(f"{prefix}.down_proj.weight"))
 
   def experts(prefix: str) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -691,7 +694,7 @@ def prefill(
   _check_batch(tokens, lengths, page_table, "prefill", "lengths")
   c, dtype = params.config, params.dtype
   B, S = tokens.shape
-  H, R, dr = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+  H, dr = c.num_attention_heads, c.qk_rope_head_dim
   positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
   slots = token_slots(page_table, positions, cache.config.page_size)
   write_loc = jnp.where(positions < lengths[:, None], slots, 0).reshape(B * S)
