@@ -24,6 +24,11 @@ if want decode; then  # mla_decode kernel vs the XLA reference
   timeout -s INT ${DECODE_TIMEOUT:-240} "${PYTEST[@]}" --durations=5 tests/test_mla_decode.py \
     > "$OUT/gpu_decode_tests.log" 2>&1; tail -25 "$OUT/gpu_decode_tests.log"
 fi
+if want diag_decode; then  # per_token_head decode kernel variants + its SASS
+  timeout 150 python3 benchmarks/diag_decode.py 2>&1 | tee "$OUT/diag_decode.log"
+  MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO="$OUT/sass" timeout 60 python3 benchmarks/diag_decode.py \
+    --only pth --iters 1 > /dev/null 2>&1; ls "$OUT/sass" | head
+fi
 if want decode_bench; then
   timeout ${DECODE_BENCH_TIMEOUT:-240} python3 -m jax_mla_cache bench --ops decode --iters 10 \
     --no-plot --out "$OUT/decode.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/decode_bench.log"

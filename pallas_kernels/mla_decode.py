@@ -76,10 +76,16 @@ class DecodeConfig:
   Attributes:
     stages: KV blocks in flight (shared-memory ring depth).
     num_sms: multiprocessors to fill when choosing the split count (None: the device's).
+    convert: per_token_head fp8 -> q dtype conversion route ("f16": e4m3 -> f16 -> f32 ->
+      bf16; "f32": e4m3 -> f32 -> bf16; "skip": no conversion, wrong results, for timing
+      the rest only: benchmarks/diag_decode.py).
+    sync: per_token_head warpgroup barriers around the conversion (False: racy, timing only).
   """
 
   stages: int = 2
   num_sms: int | None = None
+  convert: str = "f16"
+  sync: bool = True
 
 
 def check_supported(buffers, q, *, page_size: int, kv_lora_rank: int) -> str | None:
@@ -100,6 +106,11 @@ def check_supported(buffers, q, *, page_size: int, kv_lora_rank: int) -> str | N
     return f"row widths R={R}, Rr={Rr} (the kernel needs R % 128 == 0 and Rr % 64 == 0)"
   if not (page_size % BLOCK_KV == 0 or (BLOCK_KV % page_size == 0 and page_size % 8 == 0)):
     return f"page_size {page_size} (the kernel needs 8, 16, 32 or a multiple of 64)"
+  if len(buffers) == 3 and page_size < 32:
+    # A page's scales arrive by one TMA copy into shared memory, whose destination must be
+    # 128-byte aligned: 32 float32 scales or more (seen on the H200 as a misaligned address
+    # with page_size 16).
+    return f"page_size {page_size} with per_token_head (the kernel needs 32 or a multiple of 64)"
   return None
 
 
@@ -174,7 +185,8 @@ def mla_decode(buffers, q, page_table, seq_lens, *, sm_scale: float, page_size: 
   build = functools.partial(
       _decode_kernel, B=B, s_q=s_q, H=H, R=R, Rr=Rr, P=P, QRp=QRp, tile_rows=tile_rows,
       m_tiles=m_tiles, splits=splits, page_size=page_size, dtype=dtype,
-      quantized=quantized, sm_scale=float(sm_scale), stages=config.stages)
+      quantized=quantized, sm_scale=float(sm_scale), stages=config.stages,
+      convert=config.convert, sync=config.sync)
   if quantized:
     nope, scale, rope = buffers
     operands = (nope.reshape(rows, R), scale.reshape(rows), rope.reshape(rows, Rr))
@@ -200,7 +212,7 @@ def _combine(out, lse, dtype):
 
 
 def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, splits,
-                   page_size, dtype, quantized, sm_scale, stages):
+                   page_size, dtype, quantized, sm_scale, stages, convert="f16", sync=True):
   W = R + Rr
   half = R // 2
   bits = dtype.itemsize * 8
@@ -268,15 +280,18 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
         if quantized:
           # Both halves of the shared converted tile are read by both warpgroups' score
           # products: the previous block's must be done before it is overwritten.
-          sync_compute()
-          raw = kv_smem.at[slot, :, col0][...]
-          # e4m3 -> f16 is one conversion on sm_90 (and exact); e4m3 -> bf16 is not
-          # available in ptxas 12/13, so bf16 goes through f32 (also exact).
-          wide = raw.astype(jnp.float16)
-          conv_smem.at[:, col0][...] = (wide if dtype == jnp.float16
-                                        else wide.astype(F32).astype(dtype))
-          plgpu.commit_smem()
-          sync_compute()
+          if sync:
+            sync_compute()
+          if convert != "skip":
+            raw = kv_smem.at[slot, :, col0][...]
+            # e4m3 -> f16 is one conversion on sm_90 (and exact); e4m3 -> bf16 is not
+            # available in ptxas 12/13, so bf16 goes through f32 (also exact).
+            wide = raw.astype(jnp.float16) if convert == "f16" else raw.astype(F32)
+            conv_smem.at[:, col0][...] = (wide if wide.dtype == dtype
+                                          else wide.astype(F32).astype(dtype))
+            plgpu.commit_smem()
+          if sync:
+            sync_compute()
 
         def scores(s_ref):
           if quantized:
