@@ -319,7 +319,7 @@ _WRITE_INPUTS = {
 }
 
 
-def _write(cache, op, layer_id, loc, values, implementation):
+def _write(cache, op, layer_id, loc, values, implementation, sanitize):
   layout, storage = cache.layout, cache.cache
   layer_id = dispatch.check_layer_id(storage, layer_id, op)
   loc = dispatch.check_loc(loc, "loc", op)
@@ -334,7 +334,8 @@ def _write(cache, op, layer_id, loc, values, implementation):
 
   def body(layer, loc, *values):
     local = _local_cache(layout, storage.config, (layer,))
-    local = local_op(local, 0, _to_local(layout, loc, rows), *values, implementation=implementation)
+    local = local_op(local, 0, _to_local(layout, loc, rows), *values,
+                     implementation=implementation, sanitize=sanitize)
     return local.layer(0)
 
   spec, token = layout.buffer_spec, layout.token_spec
@@ -344,7 +345,8 @@ def _write(cache, op, layer_id, loc, values, implementation):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("layer_id", "implementation"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("layer_id", "implementation", "sanitize"),
+    donate_argnames=("cache",)
 )
 def set_mla_kv_buffer(
     cache: ShardedMLAKVCache,
@@ -354,6 +356,7 @@ def set_mla_kv_buffer(
     cache_k_rope: jax.Array,
     *,
     implementation: dispatch.Implementation = None,
+    sanitize: bool = False,
 ) -> ShardedMLAKVCache:
   """`dispatch.set_mla_kv_buffer` on a sharded cache (donates `cache`).
 
@@ -361,11 +364,12 @@ def set_mla_kv_buffer(
   (T, 1, R), cache_k_rope (T, 1, Rr), split or replicated like `loc`.
   """
   return _write(cache, "set_mla_kv_buffer", layer_id, loc, (cache_k_nope, cache_k_rope),
-                implementation)
+                implementation, sanitize)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("layer_id", "implementation"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("layer_id", "implementation", "sanitize"),
+    donate_argnames=("cache",)
 )
 def set_kv_buffer(
     cache: ShardedMLAKVCache,
@@ -374,9 +378,10 @@ def set_kv_buffer(
     cache_k: jax.Array,
     *,
     implementation: dispatch.Implementation = None,
+    sanitize: bool = False,
 ) -> ShardedMLAKVCache:
   """`dispatch.set_kv_buffer` on a sharded cache: whole rows cache_k (T, 1, R+Rr)."""
-  return _write(cache, "set_kv_buffer", layer_id, loc, (cache_k,), implementation)
+  return _write(cache, "set_kv_buffer", layer_id, loc, (cache_k,), implementation, sanitize)
 
 
 @functools.partial(jax.jit, static_argnames=("layer_id", "dst_dtype", "implementation"))
