@@ -227,13 +227,13 @@ def _pdl_prologue(pdl: bool, interpret: bool) -> None:
     plgpu.griddepcontrol_launch_dependents()
 
 
-def _kernel(body, *, out_type, scratch, grid, name, interpret):
+def _kernel(body, *, out_type, scratch, grid, name, interpret, grid_names=("b",)):
   return plgpu.kernel(
       body,
       out_type=out_type,
       scratch_types=scratch,
-      grid=(grid,),
-      grid_names=("b",),
+      grid=grid if isinstance(grid, tuple) else (grid,),
+      grid_names=grid_names,
       kernel_name=name,
       # Every shared-memory hand-off in these kernels is synchronized explicitly
       # (barrier_wait after bulk loads, commit_smem before bulk stores and before reading
