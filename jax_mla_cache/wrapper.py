@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla_cache import dispatch, offload
+from jax_mla_cache import dispatch, offload, rope_write
 from jax_mla_cache.config import MLACacheConfig
 from jax_mla_cache.state import MLAKVCache, init_cache
 
@@ -199,6 +199,23 @@ class MLATokenToKVPool:
         self.cache, _layer_id(layer), loc, cache_k_nope, cache_k_rope,
         implementation=self.implementation, sanitize=self._sanitize(sanitize),
     )
+
+  def rope_set_mla_kv_buffer(
+      self, layer: Any, loc: Any, positions: Any, q_nope: jax.Array, q_rope: jax.Array,
+      k_nope: jax.Array, k_rope: jax.Array, cos_sin_cache: Any, *, is_neox: bool = False,
+      q_out_dtype: Any = None, sanitize: bool | None = None,
+  ) -> jax.Array:
+    """The fused decode write (`rope_write.rope_set_mla_kv_buffer`, SPEC §8): rotates
+    q_rope (T,H,Rr) and k_rope (T,1,Rr) by `positions`, writes [k_nope | rope(k_rope)] at
+    `loc` and returns q_out (T, H, R+Rr) = [q_nope | rope(q_rope)]. `sanitize`: None
+    takes the pool's default."""
+    self._check_indices("rope_set_mla_kv_buffer", "loc", loc)
+    self._cache, q_out = rope_write.rope_set_mla_kv_buffer(
+        self.cache, _layer_id(layer), loc, positions, q_nope, q_rope, k_nope, k_rope,
+        cos_sin_cache, is_neox=is_neox, q_out_dtype=q_out_dtype,
+        sanitize=self._sanitize(sanitize), implementation=self.implementation,
+    )
+    return q_out
 
   # ------------------------------------------------------------------ reads
   def get_mla_kv_buffer(
