@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, memcheck with hostile slots, diagnostics, benchmark.
 # Usage (device tool): bash benchmarks/gpu_session.sh
-#   [tests|moves|rope|sanitize|diag|diag_moves|ptx|bench|sweep]...  (DIAG_ARGS: diag_moves flags)
+#   [tests|moves|rope|rope_bench|sanitize|diag|diag_moves|ptx|bench|sweep]...  (DIAG_ARGS: diag_moves flags)
 #
 # Budget notes (H200, jax 0.11.2): lowering one 61-layer Mosaic move kernel takes ~20 s of
 # host time, so every new T or variant costs that much; the full benchmark takes ~5 min and
@@ -23,10 +23,12 @@ if want moves; then   # 61-layer move kernels: ~20 s of lowering per streamed ca
   timeout -s INT ${MOVES_TIMEOUT:-300} "${PYTEST[@]}" --durations=5 tests/test_pallas_move.py \
     > "$OUT/gpu_move_tests.log" 2>&1; tail -15 "$OUT/gpu_move_tests.log"
 fi
-if want rope; then    # the fused RoPE write and the sanitizing writes: GPU tests, then bench rows
+if want rope; then    # the fused RoPE write and the sanitizing writes: GPU tests
   timeout -s INT ${ROPE_TIMEOUT:-420} "${PYTEST[@]}" --durations=5 tests/test_rope_set.py \
     tests/test_sanitize.py > "$OUT/gpu_rope_tests.log" 2>&1; tail -15 "$OUT/gpu_rope_tests.log"
-  timeout 170 python3 -m jax_mla_cache bench --ops rope --iters 10 --breakdown --no-plot \
+fi
+if want rope_bench; then   # the fused RoPE write's benchmark rows alone (pallas/unfused/xla)
+  timeout 400 python3 -m jax_mla_cache bench --ops rope --iters 10 --breakdown --no-plot \
     --out "$OUT/h200_rope.json" 2>&1 | tee "$OUT/bench_rope.log"
 fi
 if want sanitize; then
