@@ -68,7 +68,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import common
 from pallas_kernels.common import F32
 from pallas_kernels.rows import (FP8_E4M3, _PROMISE, _check_buffer, _check_bulk, _check_float,
-                                 _check_loc, _kernel, quantize_block)
+                                 _check_loc, _kernel, quantize_block, store_rows)
 
 BLOCK_ROWS = 4
 """Register block rows: a program's most tokens (B <= 4) and the rows of its blocks."""
@@ -329,10 +329,7 @@ def _build(interpret, *, T, H, Hb, B, rows, R, Rr, positions, in_dtypes, out_dty
     for offset, y in rot(kr_sm, tables, prepare=prepare_k):
       row_sm.at[:, pl.ds(R + offset, y.shape[1])][...] = common.cast_to(y, storage, sanitize)
     plgpu.commit_smem()
-    for i, r in enumerate(rs):
-      @pl.when(common.valid_row(r, rows))
-      def _():
-        plgpu.copy_smem_to_gmem(row_sm.at[i], kv_ref.at[r], commit_group=False)
+    store_rows(rs, rows, [(row_sm, kv_ref)])
 
   def _write_quantized(bufs, k_sm, kn_sm, kr_sm, rs, tables):
     qb_ref, sb_ref, rb_ref = bufs
@@ -349,12 +346,7 @@ def _build(interpret, *, T, H, Hb, B, rows, R, Rr, positions, in_dtypes, out_dty
         plgpu.load(kn_sm, layout=ln).astype(F32), plgpu.load(rot_sm, layout=lr),
         ln=ln, lr=lr, rope_dtype=rope_dtype, interpret=interpret, sanitize_limits=limits)
     plgpu.commit_smem()
-    for i, r in enumerate(rs):
-      @pl.when(common.valid_row(r, rows))
-      def _():
-        plgpu.copy_smem_to_gmem(q8_sm.at[i], qb_ref.at[r], commit_group=False)
-        plgpu.copy_smem_to_gmem(ro_sm.at[i], rb_ref.at[r], commit_group=False)
-        sb_ref[r] = s_sm[i]
+    store_rows(rs, rows, [(q8_sm, qb_ref), (ro_sm, rb_ref)], [(s_sm, sb_ref)])
 
   k_out = ([plgpu.SMEM((Bc, Rr), F32), plgpu.SMEM((Bc, R), FP8_E4M3),
             plgpu.SMEM((Bc, Rr), rope_dtype), plgpu.SMEM((Bc,), F32)] if pth

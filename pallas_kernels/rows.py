@@ -244,6 +244,20 @@ def _kernel(body, *, out_type, scratch, grid, name, interpret, grid_names=("b",)
   )
 
 
+def store_rows(slots, rows: int, blocks=(), scalars=()) -> None:
+  """For each in-range slot r = slots[i]: bulk-store row i of every (smem block, gmem buffer)
+  pair of `blocks` to row r, and element i of every (smem vector, gmem vector) pair of
+  `scalars` (too small for a bulk copy) with a scalar store. Out-of-range slots store
+  nothing (pl.when: skipped on every backend). The caller commits the bulk group."""
+  for i, r in enumerate(slots):
+    @pl.when(common.valid_row(r, rows))
+    def _():
+      for src, dst in blocks:
+        plgpu.copy_smem_to_gmem(src.at[i], dst.at[r], commit_group=False)
+      for src, dst in scalars:
+        dst[r] = src[i]
+
+
 def _block_start(B: int, T: int):
   b = jax.lax.axis_index("b")
   return jnp.minimum(b * B, T - B)
@@ -388,10 +402,7 @@ def _set_rows_regs(interpret, *, T, rows, R, Rr, dtype, in_dtypes, B, pdl, tag="
     osm.at[:, pl.ds(0, R)][...] = common.cast_to(plgpu.load(nsm, layout=ln), dtype, sanitize)
     osm.at[:, pl.ds(R, Rr)][...] = common.cast_to(plgpu.load(rsm, layout=lr), dtype, sanitize)
     plgpu.commit_smem()
-    for i, r in enumerate(rs):
-      @pl.when(common.valid_row(r, rows))
-      def _():
-        plgpu.copy_smem_to_gmem(osm.at[i], kv_ref.at[r], commit_group=False)
+    store_rows(rs, rows, [(osm, kv_ref)])
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -505,12 +516,7 @@ def _set_pth(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, B, pdl, tag=""
         plgpu.load(nsm, layout=ln).astype(F32), plgpu.load(rsm, layout=lr).astype(F32),
         ln=ln, lr=lr, rope_dtype=rope_dtype, interpret=interpret, sanitize_limits=limits)
     plgpu.commit_smem()  # fence for the bulk stores + warpgroup barrier for ssm reads
-    for i, r in enumerate(rs):
-      @pl.when(common.valid_row(r, rows))
-      def _():
-        plgpu.copy_smem_to_gmem(qsm.at[i], qb_ref.at[r], commit_group=False)
-        plgpu.copy_smem_to_gmem(rosm.at[i], rb_ref.at[r], commit_group=False)
-        sb_ref[r] = ssm[i]
+    store_rows(rs, rows, [(qsm, qb_ref), (rosm, rb_ref)], [(ssm, sb_ref)])
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
