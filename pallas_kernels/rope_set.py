@@ -182,7 +182,7 @@ def _layouts(Rr: int):
           plgpu.Layout.WG_STRIDED((BLOCK_ROWS, Rr // 2), 1))
 
 
-def _shuffled(layout, shape, *sources_and_masks):
+def _shuffled(layout, *sources_and_masks):
   """An inline Mosaic GPU function: each output register is a vector.shuffle of the
   registers at the same index of two inputs (pair swaps and duplications)."""
   from jax._src.lib.mlir import ir
@@ -213,7 +213,7 @@ def _gptj_tables(c, s, interpret: bool, Rr: int):
   @plgpu.inline_mgpu(arg_types=(half, half, half), return_type=(out, out))
   def expand(_, c, neg_s, s):
     # Registers are vector<1>: concat(a, b) = [a0, b0]; mask [0, 1] picks a0 then b0.
-    return tuple(_shuffled(full, (rows, Rr), (c, c, [0, 1]), (neg_s, s, [0, 1])))
+    return tuple(_shuffled(full, (c, c, [0, 1]), (neg_s, s, [0, 1])))
 
   return expand(c, -s, s)
 
@@ -228,7 +228,7 @@ def _swap_pairs(x, interpret: bool, Rr: int):
   @plgpu.inline_mgpu(arg_types=(full,),
                      return_type=plgpu.ShapeDtypeStruct((rows, Rr), F32, layout=full))
   def swap(_, x):
-    return _shuffled(full, (rows, Rr), (x, x, [1, 0]))[0]
+    return _shuffled(full, (x, x, [1, 0]))[0]
 
   return swap(x)
 

@@ -470,6 +470,27 @@ def test_lowers_for_cuda_in_place(quant, is_neox, T, H, sanitize):
   assert text.count("output_operand_aliases") >= 2
 
 
+@pytest.mark.parametrize("storage,in_dtype,out_dtype,model", [
+    (jnp.float8_e4m3fn, jnp.float32, jnp.float32, None),
+    (jnp.float8_e5m2, jnp.float16, jnp.float16, None),
+    (jnp.float32, BF16, jnp.float32, None),
+    (None, jnp.float32, BF16, jnp.float32),
+    (None, jnp.float16, jnp.float16, jnp.float16),
+])
+def test_kernel_dtypes_lower_for_cuda(storage, in_dtype, out_dtype, model):
+  """Every storage mode and activation dtype has a kernel (not only bf16)."""
+  rows, T, H = 2**18 + 64, 33, 16
+  bufs = ((S((rows, 1, 576), storage),) if storage is not None else
+          (S((rows, 1, 512), jnp.float8_e4m3fn), S((rows, 1, 1), jnp.float32),
+           S((rows, 1, 64), model)))
+  f = functools.partial(pk.rope_set_rows, q_out_dtype=out_dtype, sanitize=True)
+  text = jax.jit(f, donate_argnums=0).trace(
+      bufs, S((T,), jnp.int32), S((T,), jnp.int32), S((T, H, 512), in_dtype),
+      S((T, H, 64), in_dtype), S((T, 1, 512), in_dtype), S((T, 1, 64), in_dtype),
+      S((4096, 64), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mla_rope_set_rows" in text and text.count("tf.aliasing_output") == len(bufs)
+
+
 def test_head_blocks_fit_the_shared_memory_budget():
   from pallas_kernels import rope_set
   per_head = 2 * (512 + 64) + 2 * 576
