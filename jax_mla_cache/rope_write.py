@@ -191,7 +191,8 @@ def rope_set_mla_kv_buffer(
     k_nope: (T, 1, R) the latent KV, any float dtype.
     k_rope: (T, 1, Rr) the key's rope part, not yet rotated, any float dtype.
     cos_sin_cache: (max_position, Rr) float table, [cos | sin] per position (vLLM/SGLang
-      convention; build it with `jax_mla_cache.rope`).
+      convention; build it with `jax_mla_cache.rope`). Keep it on the device
+      (`jnp.asarray` once): a numpy table is copied to the device on every eager call.
     is_neox: rotate halves (x[i], x[i + Rr/2]) (True) or adjacent pairs (x[2i], x[2i+1])
       kept interleaved (False: GPT-J style, DeepSeek checkpoints in SGLang/vLLM).
     q_out_dtype: bf16 / f16 / f32; default q_rope.dtype.
