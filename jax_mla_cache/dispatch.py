@@ -148,21 +148,22 @@ def check_dtype(dtype: Any, name: str, op: str):
 # ----------------------------------------------------------------- writes
 def _write_layer(
     cache: MLAKVCache, layer_id: int, loc: jax.Array, nope: jax.Array, rope: jax.Array,
-    impl: str,
+    impl: str, sanitize: bool = False,
 ) -> MLAKVCache:
   buffers = cache.layer(layer_id)
   if loc.shape[0] == 0:
     return cache
   backend = reference if impl == "xla" else _kernels()
   if cache.config.quantized:
-    new = backend.set_rows_per_token_head(*buffers, loc, nope, rope)
+    new = backend.set_rows_per_token_head(*buffers, loc, nope, rope, sanitize=sanitize)
   else:
-    new = (backend.set_rows(buffers[0], loc, nope, rope),)
+    new = (backend.set_rows(buffers[0], loc, nope, rope, sanitize=sanitize),)
   return cache.replace_layer(layer_id, new)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("layer_id", "implementation"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("layer_id", "implementation", "sanitize"),
+    donate_argnames=("cache",)
 )
 def _set_mla_kv_buffer(
     cache: MLAKVCache,
@@ -172,6 +173,7 @@ def _set_mla_kv_buffer(
     cache_k_rope: jax.Array,
     *,
     implementation: Implementation = None,
+    sanitize: bool = False,
 ) -> MLAKVCache:
   """Write token rows `[nope | rope]` of one layer at slots `loc` (donates `cache`).
 
@@ -182,6 +184,11 @@ def _set_mla_kv_buffer(
     cache_k_nope: (T, 1, kv_lora_rank), any float dtype.
     cache_k_rope: (T, 1, qk_rope_head_dim), any float dtype.
     implementation: None, "xla" or "pallas" (module docstring).
+    sanitize: SPEC §9, for padded rows of garbage: NaN is stored as 0; plain mode stores
+      values beyond `dtype`'s range (+-inf included) as its largest finite value with
+      their sign; per_token_head replaces +-inf by the input dtype's largest finite
+      value before quantizing and clamps rope quotients to `model_dtype`'s range. Rows
+      whose values are finite (and fit the storage dtype) are stored exactly as without.
   Returns:
     The new state. Plain mode casts to `dtype` (fp8 saturating); per_token_head
     quantizes as SPEC §3.
@@ -199,11 +206,13 @@ def _set_mla_kv_buffer(
   tokens = loc.shape[0]
   nope = check_rows_input(cache_k_nope, "cache_k_nope", tokens, cfg.kv_lora_rank, op)
   rope = check_rows_input(cache_k_rope, "cache_k_rope", tokens, cfg.qk_rope_head_dim, op)
-  return _write_layer(cache, layer_id, loc, nope, rope, resolve_implementation(implementation))
+  return _write_layer(cache, layer_id, loc, nope, rope, resolve_implementation(implementation),
+                      bool(sanitize))
 
 
 @functools.partial(
-    jax.jit, static_argnames=("layer_id", "implementation"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("layer_id", "implementation", "sanitize"),
+    donate_argnames=("cache",)
 )
 def _set_kv_buffer(
     cache: MLAKVCache,
@@ -212,10 +221,12 @@ def _set_kv_buffer(
     cache_k: jax.Array,
     *,
     implementation: Implementation = None,
+    sanitize: bool = False,
 ) -> MLAKVCache:
   """Write whole rows `cache_k` (T, 1, R+Rr) of one layer at `loc` (donates `cache`).
 
-  The same as `set_mla_kv_buffer(cache, layer_id, loc, cache_k[..., :R], cache_k[..., R:])`.
+  The same as `set_mla_kv_buffer(cache, layer_id, loc, cache_k[..., :R], cache_k[..., R:],
+  sanitize=sanitize)`.
   """
   op = "set_kv_buffer"
   _check_cache(cache, op)
@@ -224,7 +235,8 @@ def _set_kv_buffer(
   loc = check_loc(loc, "loc", op)
   cache_k = check_rows_input(cache_k, "cache_k", loc.shape[0], cfg.kv_cache_dim, op)
   nope, rope = cache_k[..., : cfg.kv_lora_rank], cache_k[..., cfg.kv_lora_rank:]
-  return _write_layer(cache, layer_id, loc, nope, rope, resolve_implementation(implementation))
+  return _write_layer(cache, layer_id, loc, nope, rope, resolve_implementation(implementation),
+                      bool(sanitize))
 
 
 # ----------------------------------------------------------------- reads

@@ -10,6 +10,11 @@ SPEC §3 bit for bit:
     rope' = (rope / scale) -> model_dtype                    (true f32 division, RNE)
 
 Out-of-range rows (negative or >= rows) are skipped on writes and read as zeros.
+
+`sanitize=True` on the writes (SPEC §9): NaN is stored as 0; plain storage stores values
+beyond its dtype's largest finite value (+-inf included) as that value with their sign;
+per_token_head replaces +-inf by the input dtype's largest finite value before quantizing
+and clamps a rope quotient beyond `model_dtype`'s range to its largest finite value.
 """
 
 from __future__ import annotations
@@ -37,6 +42,17 @@ def cast_to_storage(x: jax.Array, dtype) -> jax.Array:
     limit = float(jnp.finfo(dtype).max)
     return jnp.clip(x.astype(F32), -limit, limit).astype(dtype)
   return x.astype(dtype)
+
+
+def finite_max(dtype) -> float:
+  """The largest finite value of a float dtype."""
+  return float(jnp.finfo(dtype).max)
+
+
+def sanitize_f32(x: jax.Array, limit: float) -> jax.Array:
+  """SPEC §9 on float32 values: NaN -> 0, values beyond +-limit (+-inf included) -> +-limit;
+  values within the limit unchanged (the kernels' `pallas_kernels.common.sanitize_f32`)."""
+  return jnp.where(jnp.isnan(x), jnp.float32(0), jnp.clip(x, -limit, limit))
 
 
 def _true_divide(x: jax.Array, per_row: jax.Array) -> jax.Array:
@@ -87,23 +103,31 @@ def _round_to_f32(wide: jax.Array) -> jax.Array:
 
 
 def quantize_per_token_head(
-    nope: jax.Array, rope: jax.Array, rope_dtype
+    nope: jax.Array, rope: jax.Array, rope_dtype, *, sanitize: bool = False
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Quantize token rows as SPEC §3.
+  """Quantize token rows as SPEC §3 (and §9 with `sanitize`, module docstring).
 
   Args:
     nope: (T, 1, R) any float dtype.
     rope: (T, 1, Rr) any float dtype.
     rope_dtype: storage dtype of the scaled rope (the model dtype).
+    sanitize: NaN -> 0 and +-inf -> the input dtype's largest finite value before
+      quantizing; rope quotients clamped to rope_dtype's largest finite value.
   Returns:
     (q (T,1,R) float8_e4m3fn, scale (T,1,1) float32, rope_stored (T,1,Rr) rope_dtype).
   """
-  nope = nope.astype(F32)
-  amax = jnp.max(jnp.abs(nope), axis=-1, keepdims=True)
+  nope32, rope32 = nope.astype(F32), rope.astype(F32)
+  if sanitize:
+    nope32 = sanitize_f32(nope32, finite_max(nope.dtype))
+    rope32 = sanitize_f32(rope32, finite_max(rope.dtype))
+  amax = jnp.max(jnp.abs(nope32), axis=-1, keepdims=True)
   scale = jnp.maximum(amax, AMAX_FLOOR) * INV_FP8_MAX
-  q = jnp.clip(_true_divide(nope, scale), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-  rope_stored = _true_divide(rope.astype(F32), scale).astype(rope_dtype)
-  return q, scale, rope_stored
+  q = jnp.clip(_true_divide(nope32, scale), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+  rope_scaled = _true_divide(rope32, scale)
+  if sanitize:
+    limit = finite_max(rope_dtype)
+    rope_scaled = jnp.clip(rope_scaled, -limit, limit)
+  return q, scale, rope_scaled.astype(rope_dtype)
 
 
 def dequantize_per_token_head(
@@ -136,23 +160,28 @@ def gather_rows(buf: jax.Array, loc: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------- row ops
-def set_rows(kv: jax.Array, loc: jax.Array, nope: jax.Array, rope: jax.Array) -> jax.Array:
+def set_rows(kv: jax.Array, loc: jax.Array, nope: jax.Array, rope: jax.Array, *,
+             sanitize: bool = False) -> jax.Array:
   """Plain storage: write `[nope | rope]` cast to `kv.dtype` at rows `loc`.
 
-  kv (rows,1,R+Rr); loc (T,) int; nope (T,1,R); rope (T,1,Rr).
+  kv (rows,1,R+Rr); loc (T,) int; nope (T,1,R); rope (T,1,Rr). `sanitize`: module docstring.
   """
-  row = jnp.concatenate(
-      [cast_to_storage(nope, kv.dtype), cast_to_storage(rope, kv.dtype)], axis=-1
-  )
-  return scatter_rows(kv, loc, row)
+  def cast(x):
+    if sanitize:
+      x = sanitize_f32(x.astype(F32), finite_max(kv.dtype))
+    return cast_to_storage(x, kv.dtype)
+
+  return scatter_rows(kv, loc, jnp.concatenate([cast(nope), cast(rope)], axis=-1))
 
 
 def set_rows_per_token_head(
     nope_buf: jax.Array, scale_buf: jax.Array, rope_buf: jax.Array,
-    loc: jax.Array, nope: jax.Array, rope: jax.Array,
+    loc: jax.Array, nope: jax.Array, rope: jax.Array, *, sanitize: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """per_token_head storage: quantize (SPEC §3) and write the three buffers."""
-  q, scale, rope_stored = quantize_per_token_head(nope, rope, rope_buf.dtype)
+  """per_token_head storage: quantize (SPEC §3, §9 with `sanitize`) and write the three
+  buffers."""
+  q, scale, rope_stored = quantize_per_token_head(nope, rope, rope_buf.dtype,
+                                                  sanitize=sanitize)
   return (
       scatter_rows(nope_buf, loc, q),
       scatter_rows(scale_buf, loc, scale),

@@ -57,11 +57,32 @@ def cast_from_f32(x: jax.Array, dtype) -> jax.Array:
   return x.astype(dtype)
 
 
-def cast_to(x: jax.Array, dtype) -> jax.Array:
-  """Any float dtype -> dtype through float32 (exact for every source dtype here)."""
+def cast_to(x: jax.Array, dtype, sanitize: bool = False) -> jax.Array:
+  """Any float dtype -> dtype through float32 (exact for every source dtype here).
+
+  With `sanitize` (SPEC §9) NaN becomes 0 and values beyond dtype's largest finite value,
+  +-inf included, become that value with their sign (`sanitize_f32`).
+  """
+  if sanitize:
+    return cast_from_f32(sanitize_f32(x.astype(F32), finite_max(dtype)), dtype)
   if x.dtype == jnp.dtype(dtype) and not is_fp8(dtype):
     return x
   return cast_from_f32(x.astype(F32), dtype)
+
+
+def finite_max(dtype) -> float:
+  """The largest finite value of a float dtype."""
+  return float(jnp.finfo(dtype).max)
+
+
+def sanitize_f32(x: jax.Array, limit: float) -> jax.Array:
+  """SPEC §9 on float32 values: NaN -> 0, values beyond +-limit (+-inf included) -> +-limit.
+
+  Values within the limit are returned unchanged, so a finite row whose cast would not
+  overflow is stored exactly as without sanitizing. Plain jnp ops: the same expression
+  runs in the XLA reference, in interpret mode and in Mosaic GPU registers.
+  """
+  return jnp.where(jnp.isnan(x), jnp.float32(0), jnp.clip(x, -limit, limit))
 
 
 def true_divide(x: jax.Array, per_row: jax.Array, interpret: bool, layout=None) -> jax.Array:
