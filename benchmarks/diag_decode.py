@@ -1,11 +1,7 @@
-"""Where the per_token_head decode kernel's time goes: kernel variants timed side by side
-(device time from a profiler trace, as bench.py), B=64, s_q=1, H=16, context 4096.
+"""The decode kernel's time per storage mode and stage count, side by side (device time
+from a profiler trace, as bench.py), default B=64, s_q=1, H=16, context 4096.
 
-    python benchmarks/diag_decode.py [--shape B,s_q,H,ctx]
-
-Variants: the default; the fp8 -> bf16 conversion through f32 instead of f16; no conversion
-(wrong results: the cost of the rest); no warpgroup barriers around the conversion (racy);
-the plain bf16 kernel for reference.
+    python benchmarks/diag_decode.py [--shape B,s_q,H,ctx] [--only NAME]
 """
 
 import argparse
@@ -34,11 +30,7 @@ def main():
   lens = jnp.full((B,), ctx, jnp.int32)
   q = jnp.asarray(rng.standard_normal((B, s_q, H, 576)) * 0.1, jnp.bfloat16)
   variants = [("bf16", False, kernel.DecodeConfig()),
-              ("pth", True, kernel.DecodeConfig()),
-              ("pth convert=f32", True, kernel.DecodeConfig(convert="f32")),
-              ("pth convert=skip", True, kernel.DecodeConfig(convert="skip")),
-              ("pth sync=False", True, kernel.DecodeConfig(sync=False)),
-              ("pth skip+nosync", True, kernel.DecodeConfig(convert="skip", sync=False))]
+              ("pth", True, kernel.DecodeConfig())]
   caches = {}
   if args.only:
     variants = [v for v in variants if v[0] == args.only]
