@@ -2,14 +2,17 @@
 
 Array-level functions (buffers in, buffers out), as the Pallas kernels in
 `pallas_kernels/`; `jax_mla_cache.dispatch` picks between them. Numerics follow
-SPEC §3 bit for bit:
+SPEC §3 bit for bit, subnormals included, on every backend (`pallas_kernels.exact`):
 
     amax  = max(|nope|)                          (f32, per token row)
     scale = max(amax, 1e-26) * float32(1/448)    (a multiply, as PyTorch does)
     q     = clip(nope / scale, -448, 448) -> float8_e4m3fn   (true f32 division, RNE)
     rope' = (rope / scale) -> model_dtype                    (true f32 division, RNE)
 
-Out-of-range rows (negative or >= rows) are skipped on writes and read as zeros.
+Out-of-range rows (negative or >= rows, whatever the integer type) are skipped on writes
+and read as zeros. Rows are scattered, gathered and moved as their bit patterns (an
+unsigned integer view of the same width): exact for every value, and O(T) on XLA:CPU,
+which would convert a whole float8 buffer to f16 and back around a float8 scatter.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
+
+from pallas_kernels import exact
 
 F32 = jnp.float32
 FP8_MAX = 448.0
@@ -39,53 +44,6 @@ def cast_to_storage(x: jax.Array, dtype) -> jax.Array:
   return x.astype(dtype)
 
 
-def _true_divide(x: jax.Array, per_row: jax.Array) -> jax.Array:
-  """`x / per_row` as a correctly rounded IEEE f32 division of every element.
-
-  Three XLA behaviours stand in the way of a plain `x / y`: XLA:GPU emits the approximate
-  `div.full.f32` (up to 2 ulp off), XLA's algebraic simplifier rewrites `x / broadcast(y)`
-  into `x * broadcast(1/y)`, and XLA:GPU elides intermediate narrowing casts
-  (openxla/xla#41605), so `f64 -> f32 -> bf16` becomes one `f64 -> bf16` rounding. So the
-  quotient is taken in float64 (an IEEE `div.rn.f64` everywhere; exact enough, since a
-  double-precision quotient rounded to single equals the correctly rounded single quotient,
-  53 >= 2*24+2 bits), the broadcast divisor sits behind an optimization barrier, and the
-  rounding to f32 is done on the bits (:func:`_round_to_f32`), which no pass can elide.
-
-  Measured on the H200 before the bit rounding: ~0.05-0.1% of stored bf16 ropes one ulp
-  off the seed's PyTorch bytes (always the single-rounding neighbour of a bf16 tie).
-  """
-  divisor = lax.optimization_barrier(jnp.broadcast_to(per_row, x.shape))
-  with jax.enable_x64(True):
-    wide = lax.div(lax.convert_element_type(x, jnp.float64),
-                   lax.convert_element_type(divisor, jnp.float64))
-    return _round_to_f32(wide)
-
-
-def _round_to_f32(wide: jax.Array) -> jax.Array:
-  """float64 -> float32, round to nearest even, computed on the bit patterns.
-
-  Normal f32 results (and overflow to inf) come from integer arithmetic on the f64 bits;
-  zeros, NaN, infinities and f32-subnormal results use the plain conversion.
-  Call under ``jax.enable_x64(True)``.
-  """
-  u64 = jnp.uint64
-  bits = lax.bitcast_convert_type(wide, u64)
-  sign = bits >> u64(63)
-  exponent = (bits >> u64(52)) & u64(0x7FF)
-  mantissa = bits & u64((1 << 52) - 1)
-  keep = mantissa >> u64(29)
-  rest = mantissa & u64((1 << 29) - 1)
-  half = u64(1 << 28)
-  round_up = (rest > half) | ((rest == half) & ((keep & u64(1)) == u64(1)))
-  # f32 normal exponents 1..254 are f64 exponents 897..1150; a mantissa carry bumps the
-  # exponent (254 + carry = 255 with a zero mantissa: inf, the correct RNE overflow).
-  normal = (exponent >= u64(897)) & (exponent <= u64(1150))
-  magnitude = (jnp.where(normal, exponent - u64(896), u64(0)) << u64(23)) + keep + round_up.astype(u64)
-  rounded = lax.bitcast_convert_type(
-      ((sign << u64(31)) | magnitude).astype(jnp.uint32), jnp.float32)
-  return jnp.where(normal, rounded, lax.convert_element_type(wide, jnp.float32))
-
-
 def quantize_per_token_head(
     nope: jax.Array, rope: jax.Array, rope_dtype
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -101,8 +59,8 @@ def quantize_per_token_head(
   nope = nope.astype(F32)
   amax = jnp.max(jnp.abs(nope), axis=-1, keepdims=True)
   scale = jnp.maximum(amax, AMAX_FLOOR) * INV_FP8_MAX
-  q = jnp.clip(_true_divide(nope, scale), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-  rope_stored = _true_divide(rope.astype(F32), scale).astype(rope_dtype)
+  q = jnp.clip(exact.divide(nope, scale), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+  rope_stored = exact.divide(rope.astype(F32), scale).astype(rope_dtype)
   return q, scale, rope_stored
 
 
@@ -111,28 +69,41 @@ def dequantize_per_token_head(
 ) -> tuple[jax.Array, jax.Array]:
   """Inverse of `quantize_per_token_head`: (nope (T,1,R), rope (T,1,Rr)) in dst_dtype
   (an fp8 dst_dtype saturates, like every cast to fp8 here)."""
-  nope = cast_to_storage(q.astype(F32) * scale, dst_dtype)
-  rope = cast_to_storage(rope_stored.astype(F32) * scale, dst_dtype)
+  nope = cast_to_storage(exact.multiply(q.astype(F32), scale), dst_dtype)
+  rope = cast_to_storage(exact.multiply(rope_stored.astype(F32), scale), dst_dtype)
   return nope, rope
 
 
 def _masked(loc: jax.Array, rows: int) -> jax.Array:
   """Map every index outside [0, rows) to `rows`, which scatter/gather modes drop/fill.
 
-  JAX would otherwise wrap negative indices (numpy semantics) onto real rows.
+  JAX would otherwise wrap negative indices (numpy semantics) onto real rows; 64-bit
+  indices are narrowed without wrapping first (`exact.index_to_int32`).
   """
-  loc = loc.astype(jnp.int32)
+  loc = exact.index_to_int32(loc)
   return jnp.where((loc >= 0) & (loc < rows), loc, rows)
 
 
+def _bits(x: jax.Array) -> jax.Array:
+  """`x` viewed as unsigned integers of its width (free: a same-width bitcast)."""
+  return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def _from_bits(bits: jax.Array, dtype) -> jax.Array:
+  return lax.bitcast_convert_type(bits, dtype)
+
+
 def scatter_rows(buf: jax.Array, loc: jax.Array, values: jax.Array) -> jax.Array:
-  """`buf[loc[i]] = values[i]` for in-range `loc`; others skipped."""
-  return buf.at[_masked(loc, buf.shape[0])].set(values.astype(buf.dtype), mode="drop")
+  """`buf[loc[i]] = values[i]` for in-range `loc`; others skipped (values cast to buf.dtype)."""
+  new = _bits(buf).at[_masked(loc, buf.shape[0])].set(
+      _bits(values.astype(buf.dtype)), mode="drop")
+  return _from_bits(new, buf.dtype)
 
 
 def gather_rows(buf: jax.Array, loc: jax.Array) -> jax.Array:
   """`buf[loc]`, zeros where `loc` is out of range."""
-  return buf.at[_masked(loc, buf.shape[0])].get(mode="fill", fill_value=0)
+  rows = _bits(buf).at[_masked(loc, buf.shape[0])].get(mode="fill", fill_value=0)
+  return _from_bits(rows, buf.dtype)
 
 
 # ----------------------------------------------------------------- row ops
@@ -192,14 +163,16 @@ def move_rows(
     rows = buf.shape[0]
     src = _masked(src_loc, rows)
     tgt = jnp.where(src < rows, _masked(tgt_loc, rows), rows)
-    out.append(buf.at[tgt].set(buf.at[src].get(mode="fill", fill_value=0), mode="drop"))
+    bits = _bits(buf)
+    moved = bits.at[tgt].set(bits.at[src].get(mode="fill", fill_value=0), mode="drop")
+    out.append(_from_bits(moved, buf.dtype))
   return tuple(out)
 
 
 def page_rows(pages: jax.Array, page_size: int, rows: int) -> jax.Array:
   """Row indices of whole pages, (P,) -> (P*page_size,); a page not wholly inside
   [0, rows) maps all its rows to -1 (skipped)."""
-  pages = pages.astype(jnp.int32)
+  pages = exact.index_to_int32(pages)
   valid = (pages >= 0) & (pages < rows // page_size)
   idx = pages[:, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)[None, :]
   return jnp.where(valid[:, None], idx, -1).reshape(-1)
