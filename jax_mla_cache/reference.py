@@ -10,9 +10,8 @@ SPEC §3 bit for bit, subnormals included, on every backend (`pallas_kernels.exa
     rope' = (rope / scale) -> model_dtype                    (true f32 division, RNE)
 
 Out-of-range rows (negative or >= rows, whatever the integer type) are skipped on writes
-and read as zeros. Rows are scattered, gathered and moved as their bit patterns (an
-unsigned integer view of the same width): exact for every value, and O(T) on XLA:CPU,
-which would convert a whole float8 buffer to f16 and back around a float8 scatter.
+and read as zeros. Every write and move costs O(T) on every backend (`_write_rows`: XLA:CPU
+has no float8 scatter, so fp8 rows are written there by a host callback in place).
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
+
+from jax.experimental.buffer_callback import buffer_callback
 
 from pallas_kernels import exact
 
@@ -84,26 +85,64 @@ def _masked(loc: jax.Array, rows: int) -> jax.Array:
   return jnp.where((loc >= 0) & (loc < rows), loc, rows)
 
 
-def _bits(x: jax.Array) -> jax.Array:
-  """`x` viewed as unsigned integers of its width (free: a same-width bitcast)."""
-  return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+def _is_fp8(dtype) -> bool:
+  return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
 
 
-def _from_bits(bits: jax.Array, dtype) -> jax.Array:
-  return lax.bitcast_convert_type(bits, dtype)
+def _write_rows(buf: jax.Array, idx: jax.Array, values: jax.Array) -> jax.Array:
+  """`buf[idx[i]] = values[i]` with `idx` from `_masked` (index `rows`: dropped); in place
+  when `buf` is donated, O(T) on every backend.
+
+  XLA:CPU supports no float8 scatter (nor dynamic-update-slice): it converts the whole
+  buffer to f16 and back around one (a 1-row write into a 262144-row fp8 cache took 0.5-1 s),
+  and a uint8 view does not help there (the same-width bitcast-convert is a pass over the
+  whole buffer too). So on CPU fp8 rows are written by a host callback on the buffer
+  itself (`jax.experimental.buffer_callback`, aliased: no copy). Lowering an fp8 write for
+  several platforms at once is therefore unsupported (buffer callbacks lower for one).
+  """
+  if not _is_fp8(buf.dtype):
+    return buf.at[idx].set(values, mode="drop")
+
+  def xla_write(buf, idx, values):
+    return buf.at[idx].set(values, mode="drop")
+
+  def host_write(buf, idx, values):
+    write = buffer_callback(_write_rows_on_host, jax.ShapeDtypeStruct(buf.shape, buf.dtype),
+                            input_output_aliases={0: 0}, vmap_method="sequential")
+    return write(buf, idx, values)
+
+  return lax.platform_dependent(buf, idx, values, cpu=host_write, default=xla_write)
+
+
+def _write_rows_on_host(ctx, out, buf, idx, values) -> None:
+  """The CPU callback of `_write_rows`: `out` is `buf` (aliased); writes the raw bytes."""
+  del ctx, buf
+  out = np.asarray(out).view(np.uint8)
+  idx = np.asarray(idx)
+  keep = idx < out.shape[0]
+  out[idx[keep]] = np.asarray(values).view(np.uint8)[keep]
 
 
 def scatter_rows(buf: jax.Array, loc: jax.Array, values: jax.Array) -> jax.Array:
   """`buf[loc[i]] = values[i]` for in-range `loc`; others skipped (values cast to buf.dtype)."""
-  new = _bits(buf).at[_masked(loc, buf.shape[0])].set(
-      _bits(values.astype(buf.dtype)), mode="drop")
-  return _from_bits(new, buf.dtype)
+  return _write_rows(buf, _masked(loc, buf.shape[0]), values.astype(buf.dtype))
 
 
 def gather_rows(buf: jax.Array, loc: jax.Array) -> jax.Array:
   """`buf[loc]`, zeros where `loc` is out of range."""
-  rows = _bits(buf).at[_masked(loc, buf.shape[0])].get(mode="fill", fill_value=0)
-  return _from_bits(rows, buf.dtype)
+  return _read_rows(buf, _masked(loc, buf.shape[0]))
+
+
+def _read_rows(buf: jax.Array, idx: jax.Array) -> jax.Array:
+  """`buf[idx]` with `idx` from `_masked` (index `rows`: zeros).
+
+  float8 rows are gathered as uint8: XLA:CPU would otherwise convert the buffer to f16 for
+  the gather (fused into it, so O(T), but a whole-buffer convert in the HLO all the same).
+  """
+  if not _is_fp8(buf.dtype):
+    return buf.at[idx].get(mode="fill", fill_value=0)
+  bits = lax.bitcast_convert_type(buf, jnp.uint8)
+  return lax.bitcast_convert_type(bits.at[idx].get(mode="fill", fill_value=0), buf.dtype)
 
 
 # ----------------------------------------------------------------- row ops
@@ -163,9 +202,7 @@ def move_rows(
     rows = buf.shape[0]
     src = _masked(src_loc, rows)
     tgt = jnp.where(src < rows, _masked(tgt_loc, rows), rows)
-    bits = _bits(buf)
-    moved = bits.at[tgt].set(bits.at[src].get(mode="fill", fill_value=0), mode="drop")
-    out.append(_from_bits(moved, buf.dtype))
+    out.append(_write_rows(buf, tgt, _read_rows(buf, src)))
   return tuple(out)
 
 
