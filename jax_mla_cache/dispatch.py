@@ -187,7 +187,10 @@ def bind_arguments(
   pass through `host_indices`, other lists become numpy arrays, and `implementation`
   becomes its resolved order. `args` include the cache.
   """
-  bound = signature.bind(*args, **kwargs)
+  try:
+    bound = signature.bind(*args, **kwargs)
+  except TypeError as e:
+    raise TypeError(f"{op}: {e} (signature: {op}{signature})") from None
   arguments = bound.arguments
   if "layer_id" in arguments:
     arguments["layer_id"] = check_layer_id(cache, arguments["layer_id"], op)

@@ -77,8 +77,6 @@ def filled(cfg, rng, rows=(5, 7, 20, 21, 30, 40, 41, 64, 65, 80, 81, 96, 97)):
 @pytest.mark.parametrize("kind", WIDE_KINDS)
 def test_wide_indices_never_wrap(kind, impl, rng):
   """set_mla_kv_buffer, set_kv_buffer, get_mla_kv_buffer, move_kv_cache, move_kv_pages."""
-  if impl == "pallas" and kind in ("list", "jax_uint32"):
-    pytest.skip("the same host/jax narrowing as numpy_int64/jax_int64 (interpret mode is slow)")
   cfg = mc.SMALL
   cache, model = filled(cfg, rng)
   bad = wrapping(kind)
@@ -202,43 +200,56 @@ def test_wide_indices_sharded(kind, impl, rng):
 TINY = float(np.finfo(np.float32).tiny)
 
 
-def subnormal_rows(width_nope: int, width_rope: int, rng) -> tuple[np.ndarray, np.ndarray]:
-  """(8, 1, R) and (8, 1, Rr) float32 rows whose quantization meets subnormals: as inputs,
-  as rope / scale results (f32 and bf16 subnormals), and their dequantized products."""
-  nope = np.ones((8, 1, width_nope), np.float32)
-  rope = np.full((8, 1, width_rope), float(ml_dtypes.bfloat16(1e-40)), np.float32)  # row 0
+def subnormal_rows(rng, tokens: int, nope_width: int = 512, rope_width: int = 64):
+  """(T, 1, R) and (T, 1, Rr) float32 rows, exact in bf16, whose quantization meets
+  subnormals: as inputs, as rope / scale quotients and as dequantized products. The first
+  8 rows are crafted (rows 0 and 1: the issue's cases); the others draw nope and rope
+  magnitudes independently from 1e-44 to 1."""
+  nope = np.ones((8, 1, nope_width), np.float32)
+  rope = np.full((8, 1, rope_width), 1e-40, np.float32)             # row 0: bf16(1e-40)
   nope[1], rope[1] = 1e-40, 1e-40                                   # both subnormal
-  nope[2] = rng.choice([-1, 1], width_nope) * rng.uniform(1e-45, TINY, width_nope)
-  rope[2] = rng.choice([-1, 1], width_rope) * rng.uniform(1e-45, TINY, width_rope)
-  nope[3], rope[3] = 1e-3, rng.standard_normal(width_rope) * 10.0 ** rng.uniform(-45, -36, width_rope)
-  nope[4], rope[4] = 448.0, rng.uniform(-2, 2, width_rope) * 1e-39  # scale 1: stored as is
-  nope[5], rope[5] = 1e30, rng.standard_normal(width_rope) * 1e-12  # quotient ~4e-40
+  nope[2] = rng.choice([-1, 1], nope_width) * rng.uniform(1e-45, TINY, nope_width)
+  rope[2] = rng.choice([-1, 1], rope_width) * rng.uniform(1e-45, TINY, rope_width)
+  nope[3] = 1e-3
+  rope[3] = rng.standard_normal(rope_width) * 10.0 ** rng.uniform(-45, -36, rope_width)
+  nope[4], rope[4] = 448.0, rng.uniform(-2, 2, rope_width) * 1e-39  # scale 1: kept as is
+  nope[5], rope[5] = 1e30, rng.standard_normal(rope_width) * 1e-12  # quotients ~4e-40
   nope[6], rope[6] = 0.0, -1e-41                                    # amax floor
-  nope[7] = rng.standard_normal(width_nope) * 1e-38
-  rope[7] = rng.standard_normal(width_rope) * 1e-38
-  return nope, rope
+  nope[7] = rng.standard_normal(nope_width) * 1e-38
+  rope[7] = rng.standard_normal(rope_width) * 1e-38
+  n = tokens - 8
+  more_nope = rng.standard_normal((n, 1, nope_width)) * 10.0 ** rng.uniform(-44, 0, (n, 1, 1))
+  more_rope = rng.standard_normal((n, 1, rope_width)) * 10.0 ** rng.uniform(-44, 0, (n, 1, 1))
+  bf16 = ml_dtypes.bfloat16
+  return tuple(np.concatenate([a, b.astype(np.float32)]).astype(bf16).astype(np.float32)
+               for a, b in ((nope, more_nope), (rope, more_rope)))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("model_dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
 def test_per_token_head_subnormals_equal_model(model_dtype, impl, rng):
-  if impl == "pallas" and model_dtype == jnp.float16:
-    pytest.skip("f16 holds no f32 subnormal; bf16 and f32 cover the kernel paths")
   cfg = QUANT.replace(model_dtype=model_dtype)
   cache, model = mc.init_cache(cfg), NumpyPool(cfg)
-  nope, rope = subnormal_rows(512, 64, rng)
-  loc = np.arange(10, 18, dtype=np.int32)
+  nope, rope = subnormal_rows(rng, 64)
+  loc = np.arange(10, 74, dtype=np.int32)
   cache = mc.set_mla_kv_buffer(cache, 0, loc, nope, rope, implementation=impl)
   model.set_mla(0, loc, nope, rope)
   model.assert_equal(cache)
-  stored = np.asarray(cache.layer(0)[2])[loc]
-  # The issue's two cases: bf16(1e-40) / (1/448) = 4.114e-38 and 1e-40 / (1e-26/448).
+  # The issue's two cases, as it gives them (float32 inputs): nope = 1 with rope =
+  # bf16(1e-40) stores 4.114e-38; nope = rope = 1e-40 stores 4.49e-12 (not 0).
+  issue_nope = np.array([1.0, 1e-40], np.float32)[:, None, None] * np.ones((1, 1, 512), np.float32)
+  issue_rope = np.array([np.float32(ml_dtypes.bfloat16(1e-40)), 1e-40], np.float32)[:, None, None]
+  issue_rope = issue_rope * np.ones((1, 1, 64), np.float32)
+  cache = mc.set_mla_kv_buffer(cache, 0, np.array([100, 101]), issue_nope, issue_rope,
+                               implementation=impl)
+  model.set_mla(0, np.array([100, 101]), issue_nope, issue_rope)
+  model.assert_equal(cache)
+  stored = np.asarray(cache.layer(0)[2])[100:102, 0, 0].astype(np.float32)
   inv = np.float32(1) / np.float32(448)
-  want = np.array([np.float32(ml_dtypes.bfloat16(1e-40)) / inv,
-                   np.float32(1e-40) / (np.float32(1e-26) * inv)], np.float32)
-  np.testing.assert_array_equal(stored[:2, 0, 0], want.astype(stored.dtype))
-  if model_dtype != jnp.float16:
-    assert (stored[:2, 0, 0] != 0).all()
+  want = (issue_rope[:, 0, 0] / np.array([inv, np.float32(1e-26) * inv], np.float32))
+  np.testing.assert_array_equal(stored, want.astype(model_dtype).astype(np.float32))
+  np.testing.assert_allclose(want, [4.114e-38, 4.49e-12], rtol=5e-3)  # the issue rounds
+  loc = np.concatenate([loc, [100, 101]]).astype(np.int32)
   for dst in (jnp.float32, jnp.bfloat16):
     got = mc.get_mla_kv_buffer(cache, 0, loc, dst, implementation=impl)
     for g, want in zip(got, model.get_mla(0, loc, dst)):

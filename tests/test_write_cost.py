@@ -69,3 +69,19 @@ def test_one_row_costs_the_same_on_a_64x_larger_fp8_cache(name):
   assert large < 5 * small + 0.002, (
       f"{name}: {large * 1e3:.3f} ms at {LARGE_ROWS} rows vs {small * 1e3:.3f} ms at "
       f"{SMALL_ROWS}: the cost grows with the cache")
+
+
+def test_fp8_writes_lower_for_cuda_without_the_host_callback():
+  """The CPU-only host callback stays out of a CUDA lowering of the XLA path (deviceless)."""
+  cache = mc.cache_spec(PER_TOKEN_HEAD)
+
+  def step(c):
+    c = mc.set_mla_kv_buffer(c, 0, ONE_ROW, NOPE, ROPE, implementation="xla")
+    c = mc.move_kv_cache(c, ONE_ROW, ONE_ROW + 1, implementation="xla")
+    return mc.move_kv_pages(c, np.array([2]), np.array([1]), implementation="xla")
+
+  text = jax.jit(step, donate_argnums=0).trace(cache).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "stablehlo.scatter" in text and "xla_buffer_python" not in text
+  cpu = jax.jit(step, donate_argnums=0).trace(cache).lower(lowering_platforms=("cpu",)).as_text()
+  assert "xla_buffer_python_cpu_callback" in cpu
