@@ -31,8 +31,10 @@ def seed_quantize(nope_f32: np.ndarray, rope_f32: np.ndarray):
           rope_stored.view(torch.int16).cpu().numpy())
 
 
-# Both implementations store the seed's bytes (XLA: since reference._round_to_f32; its
-# xfail mark from 2026-12-02 came off after it passed on the H200 on 2026-12-03, code 89a9958).
+# Both implementations store the seed's bytes (XLA: since the f32 rounding on the bit
+# patterns, now pallas_kernels.exact.round_to_f32; its xfail mark from 2026-12-02 came off
+# after it passed on the H200 on 2026-12-03, code 89a9958; issue 16 changed that path: the
+# conversions to f64 are on the bits too, pending a GPU run).
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
 def test_per_token_head_bytes_equal_seed_torch(implementation):
   cfg = mc.DEEPSEEK_V3_FP8.replace(size=65536 - 64, layer_num=1)
