@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -284,18 +285,23 @@ def _combine_owned(x: jax.Array, axis: str) -> jax.Array:
 
 
 def _public(jitted: Callable, *, per_layer: bool) -> Callable:
-  """The public op: checks, then runs `jitted`; a pipeline cache runs it on the stage
-  of `layer_id` (`per_layer`, the first argument after the cache) or on every stage."""
+  """The public op: checks and normalizes the arguments (`dispatch.bind_arguments`: a
+  static int layer_id, 64-bit host indices narrowed without wrapping, the implementation
+  order), then runs `jitted`; a pipeline cache runs it on the stage of `layer_id`
+  (`per_layer`) or on every stage."""
+  name = jitted.__name__
+  signature = inspect.signature(jitted)
 
   @functools.wraps(jitted)
   def op(cache, *args, **kwargs):
-    _check_sharded(cache, jitted.__name__)
-    args = tuple(np.asarray(a) if isinstance(a, (list, tuple, range)) else a for a in args)
+    _check_sharded(cache, name)
+    bound = dispatch.bind_arguments(signature, cache.cache, name, (cache, *args), kwargs)
+    args, kwargs = bound.args[1:], bound.kwargs
     if cache.layout.kind != "pipeline":
       return jitted(cache, *args, **kwargs)
     layer_num = cache.cache.config.layer_num
     if per_layer:
-      layer_id = dispatch.check_layer_id(cache.cache, args[0], jitted.__name__)
+      layer_id = args[0]
       stage = cache.layout.stage_of(layer_id, layer_num)
       view = stage_view(cache, stage)
       local_id = layer_id - cache.layout.stage_layers(stage, layer_num).start

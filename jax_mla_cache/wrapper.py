@@ -60,7 +60,8 @@ class MLATokenToKVPool:
     `enable_alt_stream` are accepted and ignored (moves always use one kernel;
     JAX schedules streams itself).
   Extra keyword args:
-    implementation: None / "xla" / "pallas" for every op (see `dispatch`).
+    implementation: None / "xla" / "pallas" for every op (see `dispatch`; None runs the
+      kernels on sm_90+ and falls back to XLA for what they do not cover).
     debug_checks: validate indices on the host before each call and raise
       IndexError with the offending positions (costs a device-to-host sync). In
       this mode padding must target page 0 (loc 0), as the seed's convention.
@@ -108,7 +109,8 @@ class MLATokenToKVPool:
     self.quant_method = quant_method
     self.max_batch_size, self.max_context_len, self.rank = max_batch_size, max_context_len, rank
     self.enable_memory_saver = enable_memory_saver
-    self.implementation = dispatch.resolve_implementation(implementation)
+    dispatch.implementation_order(implementation)  # raises for an unknown name
+    self.implementation = implementation  # None keeps the fall-through to XLA per call
     self.debug_checks = debug_checks
     self.sanitize = bool(sanitize)
     self.offload_chunk_page_num = offload_chunk_page_num
@@ -121,7 +123,8 @@ class MLATokenToKVPool:
     self._cache: MLAKVCache | None = self._new_cache()
     logger.info(
         "MLATokenToKVPool: %d layers x %d rows, %.2f GB, implementation=%s",
-        layer_num, self.config.rows, self.get_kv_size_bytes() / GB, self.implementation,
+        layer_num, self.config.rows, self.get_kv_size_bytes() / GB,
+        dispatch.resolve_implementation(implementation),
     )
 
   def _new_cache(self) -> MLAKVCache:

@@ -149,7 +149,7 @@ def mla_decode(buffers, q, page_table, seq_lens, *, sm_scale: float, page_size: 
   config = config or DecodeConfig()
   reason = check_supported(buffers, q, page_size=page_size, kv_lora_rank=kv_lora_rank)
   if reason is not None:
-    raise NotImplementedError(f"mla_decode kernel: {reason}")
+    raise common.Unsupported(reason)
   quantized = len(buffers) == 3
   B, s_q, H, W = q.shape
   R = kv_lora_rank

@@ -87,7 +87,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import common
+from pallas_kernels import common, exact
 from pallas_kernels.common import F32
 
 FP8_E4M3 = jnp.dtype(jnp.float8_e4m3fn)
@@ -200,6 +200,19 @@ def _check_loc(loc) -> None:
 def _check_float(name, x) -> None:
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"{name} must be a float array, got {x.dtype}")
+  if jnp.dtype(x.dtype) not in common.STORAGE_DTYPES:
+    raise common.Unsupported(
+        f"{name}: the kernels read {', '.join(d.name for d in common.STORAGE_DTYPES)} "
+        f"inputs, got {x.dtype}")
+
+
+def _check_dst(dst_dtype) -> jnp.dtype:
+  dst = jnp.dtype(dst_dtype)
+  if dst not in common.STORAGE_DTYPES:
+    raise TypeError(
+        f"dst_dtype must be one of {', '.join(d.name for d in common.STORAGE_DTYPES)}, "
+        f"got {dst}")
+  return dst
 
 
 def _check_tokens(name, x, T, width) -> None:
@@ -216,7 +229,7 @@ def _check_buffer(name, x, dtypes) -> None:
 
 def _check_bulk(name, width, dtype) -> None:
   if (width * jnp.dtype(dtype).itemsize) % common.BULK_ALIGN:
-    raise NotImplementedError(
+    raise common.Unsupported(
         f"{name}: a row of {width} x {jnp.dtype(dtype)} is not a multiple of 16 bytes"
     )
 
@@ -309,7 +322,7 @@ def set_rows(kv, loc, nope, rope, *, pdl: bool = False, config: RowConfig | None
   _check_tokens("rope", rope, T, Rr)
   if T == 0:
     return kv
-  loc = loc.astype(jnp.int32)
+  loc = exact.index_to_int32(loc)
   dtype = jnp.dtype(kv.dtype)
   same = (
       jnp.dtype(nope.dtype) == dtype
@@ -320,19 +333,19 @@ def set_rows(kv, loc, nope, rope, *, pdl: bool = False, config: RowConfig | None
   for name, width, dt in (("kv", W, dtype), ("kv nope part", R, dtype),
                           ("nope", R, nope.dtype), ("rope", Rr, rope.dtype)):
     _check_bulk(name, width, dt)
-  if same and not config.set_repack:
+  registers = not same or config.set_repack
+  if registers and (common.row_layout_vec(R) is None or common.row_layout_vec(Rr) is None):
+    # No register layout for this width: cast with XLA (saturating, so the rows are
+    # final storage values), then the pure-copy kernel.
+    nope, rope = common.cast_to(nope, dtype, sanitize), common.cast_to(rope, dtype, sanitize)
+    registers = False
+  if not registers:
     B = copy_block_tokens(T, config)
     build = functools.partial(
         _set_rows_copy, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype, B=B, pdl=pdl,
         stages=stage_count(B, config.chunks), tag=config.kernel_tag,
     )
   else:
-    if common.row_layout_vec(R) is None or common.row_layout_vec(Rr) is None:
-      # No register layout for this width: cast with XLA, then the pure-copy kernel.
-      nope = common.cast_to(nope, dtype, sanitize)
-      rope = common.cast_to(rope, dtype, sanitize)
-      return set_rows(kv, loc, nope, rope, pdl=pdl,
-                      config=dataclasses.replace(config, set_repack=False))
     B = reg_block_tokens(T, config)
     build = functools.partial(
         _set_rows_regs, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype,
@@ -454,7 +467,7 @@ def set_rows_per_token_head(
   if T == 0:
     return nope_buf, scale_buf, rope_buf
   if common.row_layout_vec(R) is None or common.row_layout_vec(Rr) is None:
-    raise NotImplementedError(
+    raise common.Unsupported(
         f"per_token_head kernel needs R and Rr multiples of 32, got R={R}, Rr={Rr}"
     )
   for name, width, dt in (("nope_buf", R, FP8_E4M3), ("rope_buf", Rr, rope_buf.dtype),
@@ -468,7 +481,7 @@ def set_rows_per_token_head(
   )
   q, s, r = common.dispatch(
       build, nope_buf.reshape(rows, R), scale_buf.reshape(rows), rope_buf.reshape(rows, Rr),
-      loc.astype(jnp.int32), common.as_rows(nope), common.as_rows(rope),
+      exact.index_to_int32(loc), common.as_rows(nope), common.as_rows(rope),
   )
   return q.reshape(rows, 1, R), s.reshape(rows, 1, 1), r.reshape(rows, 1, Rr)
 
@@ -554,9 +567,7 @@ def get_rows(kv, loc, *, kv_lora_rank: int, dst_dtype, pdl: bool = False,
   Rr = W - R
   if not 0 < R < W:
     raise ValueError(f"kv_lora_rank must be in (0, {W}), got {kv_lora_rank}")
-  dst = jnp.dtype(dst_dtype)
-  if not jnp.issubdtype(dst, jnp.floating):
-    raise TypeError(f"dst_dtype must be a float dtype, got {dst}")
+  dst = _check_dst(dst_dtype)
   T = loc.shape[0]
   if T == 0:
     return jnp.zeros((0, 1, R), dst), jnp.zeros((0, 1, Rr), dst)
@@ -565,7 +576,12 @@ def get_rows(kv, loc, *, kv_lora_rank: int, dst_dtype, pdl: bool = False,
                           ("nope", R, dst), ("rope", Rr, dst)):
     _check_bulk(name, width, dt)
   same = dst == dtype and dtype != jnp.dtype(jnp.float8_e5m2)
-  if same and config.get_split:
+  registers = not (same and config.get_split)
+  # No register layout for this width: gather the stored rows with the pure-copy kernel,
+  # then convert them with XLA.
+  convert_after = registers and (
+      common.row_layout_vec(R) is None or common.row_layout_vec(Rr) is None)
+  if not registers or convert_after:
     B = copy_block_tokens(T, config)
     build = functools.partial(
         _get_rows_copy, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype, B=B, pdl=pdl,
@@ -573,19 +589,18 @@ def get_rows(kv, loc, *, kv_lora_rank: int, dst_dtype, pdl: bool = False,
         tag=config.kernel_tag,
     )
   else:
-    if common.row_layout_vec(R) is None or common.row_layout_vec(Rr) is None:
-      nope, rope = get_rows(kv, loc, kv_lora_rank=R, dst_dtype=dtype, pdl=pdl,
-                            config=dataclasses.replace(config, get_split=True))
-      return common.cast_to(nope, dst), common.cast_to(rope, dst)
     B = reg_block_tokens(T, config)
     build = functools.partial(
         _get_rows_regs, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype, dst=dst, B=B, pdl=pdl,
         prefetch=config.loc_prefetch, tag=config.kernel_tag,
     )
   nope, rope = common.dispatch(
-      build, kv.reshape(rows, W), loc.astype(jnp.int32), common.zeros_row(W, dtype)
+      build, kv.reshape(rows, W), exact.index_to_int32(loc), common.zeros_row(W, dtype)
   )
-  return nope.reshape(T, 1, R), rope.reshape(T, 1, Rr)
+  nope, rope = nope.reshape(T, 1, R), rope.reshape(T, 1, Rr)
+  if convert_after:
+    return common.cast_to(nope, dst), common.cast_to(rope, dst)
+  return nope, rope
 
 
 def _load_row_or_zeros(src, zeros, dst, bar, r, rows):
@@ -695,14 +710,12 @@ def get_rows_per_token_head(
         f"buffers disagree: nope_buf {nope_buf.shape}, scale_buf {scale_buf.shape} "
         f"(expected {(rows, 1, 1)}), rope_buf {rope_buf.shape}"
     )
-  dst = jnp.dtype(dst_dtype)
-  if not jnp.issubdtype(dst, jnp.floating):
-    raise TypeError(f"dst_dtype must be a float dtype, got {dst}")
+  dst = _check_dst(dst_dtype)
   T = loc.shape[0]
   if T == 0:
     return jnp.zeros((0, 1, R), dst), jnp.zeros((0, 1, Rr), dst)
   if common.row_layout_vec(R) is None or common.row_layout_vec(Rr) is None:
-    raise NotImplementedError(
+    raise common.Unsupported(
         f"per_token_head kernel needs R and Rr multiples of 32, got R={R}, Rr={Rr}"
     )
   rope_dtype = jnp.dtype(rope_buf.dtype)
@@ -716,7 +729,7 @@ def get_rows_per_token_head(
   )
   nope, rope = common.dispatch(
       build, nope_buf.reshape(rows, R), scale_buf.reshape(rows), rope_buf.reshape(rows, Rr),
-      loc.astype(jnp.int32), common.zeros_row(R, FP8_E4M3), common.zeros_row(Rr, rope_dtype),
+      exact.index_to_int32(loc), common.zeros_row(R, FP8_E4M3), common.zeros_row(Rr, rope_dtype),
   )
   return nope.reshape(T, 1, R), rope.reshape(T, 1, Rr)
 
@@ -746,9 +759,9 @@ def _get_pth(interpret, *, T, rows, R, Rr, rope_dtype, dst, B, pdl, prefetch=Fal
     plgpu.barrier_wait(bar)
     plgpu.commit_smem()  # warpgroup barrier: every thread's ssm stores are visible
     scale = plgpu.load(ssm, layout=ln.reduce(1))
-    x = plgpu.load(qsm, layout=ln).astype(F32) * scale[:, None]
+    x = common.multiply(plgpu.load(qsm, layout=ln).astype(F32), scale, interpret)
     nsm[...] = common.cast_from_f32(x, dst)
-    y = plgpu.load(rsm, layout=lr).astype(F32) * scale[:, None]
+    y = common.multiply(plgpu.load(rsm, layout=lr).astype(F32), scale, interpret)
     orsm[...] = common.cast_from_f32(y, dst)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(nsm.at[pl.ds(0, B)], on_ref.at[pl.ds(t0, B)], commit_group=False)

@@ -179,8 +179,8 @@ def test_default_falls_back_to_xla_where_the_kernel_does_not_apply(monkeypatch, 
   cache = filled_cache(cfg, rng)
   q, table, lens = problem(cfg, rng, B=2, s_q=1, H=2, P=3)
   monkeypatch.setattr(mc.dispatch, "_default_implementation", lambda: "pallas")
-  attention._WARNED.clear()
-  with pytest.warns(UserWarning, match="page_size 4"):
+  mc.dispatch._WARNED.clear()
+  with pytest.warns(mc.dispatch.FallbackWarning, match="page_size 4"):
     got = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.5)
   want = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.5, implementation="xla")
   chex.assert_trees_all_equal(got, want)
