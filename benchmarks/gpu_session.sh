@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, memcheck with hostile slots, diagnostics, benchmark.
 # Usage (device tool): bash benchmarks/gpu_session.sh
-#   [tests|decode|decode_bench|deepseek|moves|sanitize|diag|diag_moves|ptx|bench|sweep]...
-#   (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
+#   [tests|decode|decode_bench|diag_decode|deepseek|moves|rope|rope_bench|sanitize|diag|diag_moves|
+#    ptx|bench|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
 #
 # Budget notes (H200, jax 0.11.2): lowering one 61-layer Mosaic move kernel takes ~20 s of
 # host time, so every new T or variant costs that much; the full benchmark takes ~5 min and
@@ -24,6 +24,11 @@ if want decode; then  # mla_decode kernel vs the XLA reference
   timeout -s INT ${DECODE_TIMEOUT:-240} "${PYTEST[@]}" --durations=5 tests/test_mla_decode.py \
     > "$OUT/gpu_decode_tests.log" 2>&1; tail -25 "$OUT/gpu_decode_tests.log"
 fi
+if want diag_decode; then  # per_token_head decode kernel variants + its SASS
+  timeout 150 python3 benchmarks/diag_decode.py 2>&1 | tee "$OUT/diag_decode.log"
+  MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO="$OUT/sass" timeout 60 python3 benchmarks/diag_decode.py \
+    --only pth --iters 1 > /dev/null 2>&1; ls "$OUT/sass" | head
+fi
 if want decode_bench; then
   timeout ${DECODE_BENCH_TIMEOUT:-240} python3 -m jax_mla_cache bench --ops decode --iters 10 \
     --no-plot --out "$OUT/decode.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/decode_bench.log"
@@ -37,6 +42,14 @@ fi
 if want moves; then   # 61-layer move kernels: ~20 s of lowering per streamed case
   timeout -s INT ${MOVES_TIMEOUT:-300} "${PYTEST[@]}" --durations=5 tests/test_pallas_move.py \
     > "$OUT/gpu_move_tests.log" 2>&1; tail -15 "$OUT/gpu_move_tests.log"
+fi
+if want rope; then    # the fused RoPE write and the sanitizing writes: GPU tests
+  timeout -s INT ${ROPE_TIMEOUT:-420} "${PYTEST[@]}" --durations=5 tests/test_rope_set.py \
+    tests/test_sanitize.py > "$OUT/gpu_rope_tests.log" 2>&1; tail -15 "$OUT/gpu_rope_tests.log"
+fi
+if want rope_bench; then   # the fused RoPE write's benchmark rows alone (pallas/unfused/xla)
+  timeout 400 python3 -m jax_mla_cache bench --ops rope --iters 10 --breakdown --no-plot \
+    --out "$OUT/h200_rope.json" 2>&1 | tee "$OUT/bench_rope.log"
 fi
 if want sanitize; then
   timeout 90 compute-sanitizer --tool memcheck python3 benchmarks/hostile_slots.py 2>&1 \
@@ -54,7 +67,7 @@ if want ptx; then   # the direct kernel's PTX and SASS for 61 per_token_head lay
     timeout 120 python3 benchmarks/dump_move_ptx.py > "$OUT/ptx.log" 2>&1; tail -3 "$OUT/ptx.log"
 fi
 if want bench; then
-  timeout 360 python3 -m jax_mla_cache bench --iters 10 --out "$OUT/h200.json" 2>&1 | tee "$OUT/bench.log"
+  timeout 540 python3 -m jax_mla_cache bench --iters 10 --out "$OUT/h200.json" 2>&1 | tee "$OUT/bench.log"
 fi
 if want sweep; then
   timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_moves.py --cases ${SWEEP_CASES:-pth} \

@@ -19,7 +19,6 @@ Equivalent plain JAX (plain bf16 cache, one sequence b, query j, head h)::
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any
 
 import jax
@@ -137,38 +136,21 @@ def _check_decode_args(cache: MLAKVCache, q, page_table, seq_lens, op: str):
 
 
 # ----------------------------------------------------------------- the op
-_WARNED: set[str] = set()
-
-
-def _kernel_reason(cache: MLAKVCache, q) -> str | None:
-  from pallas_kernels import mla_decode as kernel
-
-  cfg = cache.config
-  return kernel.check_supported(cache.layer(0), q, page_size=cfg.page_size,
-                                kv_lora_rank=cfg.kv_lora_rank)
-
-
 @functools.partial(jax.jit, static_argnames=("layer_id", "sm_scale", "implementation"))
 def _mla_decode(cache, layer_id, q, page_table, seq_lens, *, sm_scale, implementation=None):
   op = "mla_decode"
   cfg = cache.config
   page_table, seq_lens = _check_decode_args(cache, q, page_table, seq_lens, op)
-  impl = dispatch.resolve_implementation(implementation)
-  buffers = cache.layer(layer_id)
   args = dict(sm_scale=sm_scale, page_size=cfg.page_size, kv_lora_rank=cfg.kv_lora_rank)
-  if impl == "pallas":
-    reason = _kernel_reason(cache, q)
-    if reason is None:
-      from pallas_kernels import mla_decode as kernel
 
-      return kernel.mla_decode(buffers, q, page_table, seq_lens, **args)
-    if implementation == "pallas":
-      raise NotImplementedError(f"{op}: the Pallas kernel does not take this call: {reason}")
-    if reason not in _WARNED:
-      _WARNED.add(reason)
-      warnings.warn(f"{op}: the Pallas kernel does not take this call ({reason}); "
-                    "running the XLA implementation", stacklevel=3)
-  return mla_decode_reference(buffers, q, page_table, seq_lens, **args)
+  def attend(backend, buffers, q, page_table, seq_lens):
+    if backend is dispatch.reference:
+      return mla_decode_reference(buffers, q, page_table, seq_lens, **args)
+    from pallas_kernels import mla_decode as kernel
+    return kernel.mla_decode(buffers, q, page_table, seq_lens, **args)
+
+  return dispatch._run(op, dispatch.implementation_order(implementation), attend,
+                       cache.layer(layer_id), q, page_table, seq_lens)
 
 
 def mla_decode(
@@ -196,8 +178,9 @@ def mla_decode(
       clamped to `[0, P * page_size]`.
     sm_scale: the softmax scale, a Python float (static).
     implementation: None (the Mosaic GPU kernel on sm_90+ when it takes the shapes,
-      else XLA with a one-time warning), "xla" or "pallas" (raises when the kernel does
-      not take the call).
+      else XLA with a one-time `FallbackWarning`), "xla" or "pallas" (raises
+      `pallas_kernels.Unsupported`, a NotImplementedError, when the kernel does not take
+      the call).
   Returns:
     (out (B, s_q, H, R) in q.dtype, lse (B, s_q, H) float32, natural log). Query j of a
     sequence sees positions `0 .. seq_lens - s_q + j`; one with none visible gets out 0

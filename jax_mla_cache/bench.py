@@ -13,7 +13,10 @@ Host offload is timed by wall clock (what a caller waits for), against plain
 device<->pinned-host copies of the same bytes in the same run.
 
 GB/s counts bytes read plus written: rows x row bytes x 2 for set/get/move
-(plus the layers for moves); one direction for host copies.
+(plus the layers for moves); one direction for host copies. The fused RoPE write
+(`rope_set`, `rope_set_pth`: impl "pallas" is the one fused kernel, "unfused" is XLA RoPE +
+our set kernel + a concatenate, "xla" the all-XLA composition) counts q in + q out +
+latent in + row out: T x (2 x H x (R+Rr) x 2 + (R+Rr) x 2 + row bytes), bf16 activations.
 """
 
 from __future__ import annotations
@@ -37,12 +40,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_mla_cache as mc
-from jax_mla_cache import offload
+from jax_mla_cache import offload, rope, rope_write
 
 SET_TOKENS = (1, 64, 512, 4096, 32768)
 MOVE_TOKENS = (8, 64, 256, 1024, 4096)
 PAGE_COUNTS = (1, 16, 256)
 OFFLOAD_TOKENS = 4096
+ROPE_TOKENS = (1, 8, 64, 512, 4096)
+ROPE_HEADS = (16, 128)
+ROPE_MAX_POSITION = 163840  # DeepSeek-V3's max_position_embeddings
 
 
 ERRORS: list[str] = []
@@ -57,9 +63,9 @@ class Record:
   layers: int
   us: float
   gbps: float
-  B: int | None = None
-  s_q: int | None = None
-  H: int | None = None
+  B: int | None = None      # batch (mla_decode)
+  s_q: int | None = None    # queries per sequence (mla_decode)
+  H: int | None = None      # query heads (mla_decode, the fused RoPE write)
   tflops: float | None = None
 
 
@@ -166,6 +172,42 @@ def _bench_row_op(op, c, impl, tokens, loc, nope, rope, in_bytes, iters, report)
     us, _, method = time_per_call(lambda st: (st[0], st[1], g(st[0], st[1])),
                                   (cache, loc, None), iters, bd := {})
     report(Record("get_mla", impl, tokens, 1, us, 2 * tokens * c.row_bytes / us / 1e3), method, bd)
+
+
+def bench_rope_set(cfg: mc.MLACacheConfig, tokens_list, heads_list, impls, iters, report,
+                   max_position: int = ROPE_MAX_POSITION) -> None:
+  """rope_set / rope_set_pth on one layer: impl "pallas" gives two records, the fused
+  kernel ("pallas") and the unfused composition with the Pallas set kernel ("unfused");
+  impl "xla" gives the all-XLA composition ("xla")."""
+  rng = np.random.default_rng(3)
+  quant_cfg = cfg.replace(dtype=jnp.float8_e4m3fn, quant_method="per_token_head")
+  table = jnp.asarray(rope.rope_cos_sin_cache(max_position, cfg.qk_rope_head_dim))
+  R, Rr, W = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.kv_cache_dim
+  variants = {"pallas": (("pallas", rope_write.rope_set_mla_kv_buffer, "pallas"),
+                         ("unfused", rope_write.unfused_rope_set_mla_kv_buffer, "pallas")),
+              "xla": (("xla", rope_write.unfused_rope_set_mla_kv_buffer, "xla"),)}
+  for heads in heads_list:
+    for tokens in tokens_list:
+      loc = jnp.asarray(rng.permutation(cfg.rows)[:tokens].astype(np.int32))
+      pos = jnp.asarray(rng.integers(0, max_position, tokens).astype(np.int32))
+      acts = tuple(jnp.asarray(rng.standard_normal(shape, np.float32)).astype(jnp.bfloat16)
+                   for shape in ((tokens, heads, R), (tokens, heads, Rr), (tokens, 1, R),
+                                 (tokens, 1, Rr)))
+      for op, c in (("rope_set", cfg), ("rope_set_pth", quant_cfg)):
+        nbytes = tokens * (2 * heads * W * 2 + W * 2 + c.row_bytes)
+        for name, fn, set_impl in (v for impl in impls for v in variants.get(impl, ())):
+          try:
+            f = jax.jit(lambda s, *a, fn=fn, set_impl=set_impl: fn(s, 0, *a,
+                                                                   implementation=set_impl),
+                        donate_argnums=0)
+            # state = (cache, last q_out, inputs...): inputs are arguments, never constants
+            us, _, method = time_per_call(lambda st: (*f(st[0], *st[2:]), *st[2:]),
+                                          (mc.init_cache(c), None, loc, pos, *acts, table),
+                                          iters, bd := {})
+            report(Record(op, name, tokens, 1, us, nbytes / us / 1e3, H=heads), method, bd)
+          except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
+            ERRORS.append(f"{op} {name} H={heads} T={tokens}: {type(e).__name__}: {str(e)[:300]}")
+            print(f"  !! {ERRORS[-1]}", flush=True)
 
 
 def bench_moves(cfg: mc.MLACacheConfig, tokens_list, pages_list, impls, iters, report) -> None:
@@ -357,8 +399,8 @@ def main(argv: list[str] | None = None) -> dict:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<device>.json)")
   parser.add_argument("--small", action="store_true", help="CPU-sized shapes (default off a GPU)")
-  parser.add_argument("--ops", default="rows,moves,offload,decode",
-                      help="comma list: rows,moves,offload,decode")
+  parser.add_argument("--ops", default="rows,moves,offload,decode,rope",
+                      help="comma list: rows,moves,offload,decode,rope")
   parser.add_argument("--decode-impls", default=None,
                       help="comma list for mla_decode (default pallas,gather on a GPU; xla off it)")
   parser.add_argument("--decode-shapes", default=None,
@@ -371,6 +413,8 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--breakdown", action="store_true", help="print device time per kernel")
   parser.add_argument("--tokens", default=None, help="comma list overriding T for set/get")
   parser.add_argument("--move-tokens", default=None, help="comma list overriding T for moves")
+  parser.add_argument("--rope-tokens", default=None, help="comma list overriding T for rope_set")
+  parser.add_argument("--heads", default=None, help="comma list overriding H for rope_set")
   parser.add_argument("--pages", default=None,
                       help="comma list overriding the page counts of move_pages ('' for none)")
   args = parser.parse_args(argv)
@@ -384,13 +428,19 @@ def main(argv: list[str] | None = None) -> dict:
   if small:
     cfg = mc.SMALL.replace(size=4096 - 16, layer_num=4)
     set_tokens, move_tokens, page_counts, off_tokens = (1, 64, 512), (8, 64), (1, 16), 256
+    rope_tokens, rope_heads, rope_positions = (1, 64), (16,), 4096
   else:
     cfg = mc.DEEPSEEK_V3
     set_tokens, move_tokens, page_counts, off_tokens = SET_TOKENS, MOVE_TOKENS, PAGE_COUNTS, OFFLOAD_TOKENS
+    rope_tokens, rope_heads, rope_positions = ROPE_TOKENS, ROPE_HEADS, ROPE_MAX_POSITION
   if args.tokens:
     set_tokens = tuple(int(t) for t in args.tokens.split(","))
   if args.move_tokens:
     move_tokens = tuple(int(t) for t in args.move_tokens.split(","))
+  if args.rope_tokens:
+    rope_tokens = tuple(int(t) for t in args.rope_tokens.split(","))
+  if args.heads:
+    rope_heads = tuple(int(h) for h in args.heads.split(","))
   if args.pages is not None:
     page_counts = tuple(int(p) for p in args.pages.split(",") if p)
   records: list[Record] = []
@@ -399,9 +449,10 @@ def main(argv: list[str] | None = None) -> dict:
   def report(rec: Record, method: str, breakdown: dict[str, float] | None = None) -> None:
     records.append(rec)
     methods.add(method)
+    heads = f" H={rec.H:<3d}" if rec.H is not None and rec.B is None else ""
     shape = (f" B={rec.B} s_q={rec.s_q} H={rec.H} {rec.tflops:6.1f} TFLOPS"
              if rec.B is not None and rec.tflops is not None else "")
-    print(f"  {rec.op:12s} {rec.impl:6s} T={rec.T:<6d} layers={rec.layers:<3d} "
+    print(f"  {rec.op:12s} {rec.impl:7s} T={rec.T:<6d} layers={rec.layers:<3d}{heads} "
           f"{rec.us:10.2f} us {rec.gbps:9.1f} GB/s{shape}  [{method}]", flush=True)
     if args.breakdown and breakdown:
       for name, us in sorted(breakdown.items(), key=lambda kv: -kv[1]):
@@ -434,6 +485,9 @@ def main(argv: list[str] | None = None) -> dict:
             report)
   if "moves" in ops:
     section("moves", bench_moves, cfg, move_tokens, page_counts, impls, iters, report)
+  if "rope" in ops:
+    section("rope", bench_rope_set, row_cfg, rope_tokens, rope_heads, impls, iters, report,
+            rope_positions)
   pinned = {"pinned_d2h_gbps": None, "pinned_h2d_gbps": None}
   if "offload" in ops:
     pinned = section("offload", bench_offload, cfg, off_tokens, max(3, iters // 4), report) or pinned

@@ -5,18 +5,25 @@ functions are jitted with the cache donated, so eager calls update in place too;
 inside a user's jitted step they inline (donate the cache at *that* boundary).
 
 `implementation`:
-  * None      -- "pallas" on NVIDIA GPUs with compute capability >= 9.0 (Hopper,
-                 Blackwell), "xla" everywhere else.
+  * None      -- the device's best that covers the call: on NVIDIA GPUs with compute
+                 capability >= 9.0 (Hopper, Blackwell) the Pallas kernels, falling through
+                 to XLA (with a warning, once per op and reason) for what they do not cover
+                 (row widths, buffer geometries, `jax.vmap`; README "Kernel limits");
+                 "xla" everywhere else. It always works.
   * "xla"     -- plain XLA scatter/gather (`jax_mla_cache.reference`).
   * "pallas"  -- the Mosaic GPU kernels of `pallas_kernels`: real kernels when
                  lowering for CUDA (also deviceless AOT lowering on a CPU host),
                  the same kernels in Pallas interpret mode when lowering for CPU.
+                 What they do not cover raises `pallas_kernels.Unsupported` (a
+                 NotImplementedError) at trace time, before anything runs.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -24,11 +31,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.custom_batching import custom_vmap
+
 from jax_mla_cache import reference
+from jax_mla_cache.config import PLAIN_DTYPES
 from jax_mla_cache.state import MLAKVCache
+from pallas_kernels import exact
 
 Implementation = Literal["xla", "pallas"] | None
 IMPLEMENTATIONS = ("xla", "pallas")
+INDEX_ARGUMENTS = frozenset({"loc", "tgt_loc", "src_loc", "tgt_pages", "src_pages"})
+"""Parameters of the public ops that hold row or page indices."""
+READ_DTYPES = PLAIN_DTYPES
+"""The dtypes `get_mla_kv_buffer` returns (its `dst_dtype`), on every implementation."""
+
+
+class FallbackWarning(UserWarning):
+  """The default implementation fell through from the Pallas kernels to XLA."""
 
 
 # ----------------------------------------------------------------- choice
@@ -49,15 +68,28 @@ def _default_implementation() -> str:
   return "pallas" if major >= 9 else "xla"
 
 
-def resolve_implementation(implementation: Implementation) -> str:
-  """The implementation an op will run: `implementation`, or the device's best."""
+def implementation_order(implementation: Implementation | tuple[str, ...]) -> tuple[str, ...]:
+  """The implementations an op tries, in order.
+
+  None: the device's best, then "xla" for what it does not cover; "xla" or "pallas": that
+  one alone. A tuple (an order resolved before) is returned as it is.
+  """
+  if isinstance(implementation, tuple) and implementation and all(
+      name in IMPLEMENTATIONS for name in implementation):
+    return implementation
   if implementation is None:
-    return _default_implementation()
+    best = _default_implementation()
+    return (best,) if best == "xla" else (best, "xla")
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
         f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}"
     )
-  return implementation
+  return (implementation,)
+
+
+def resolve_implementation(implementation: Implementation) -> str:
+  """The implementation an op tries first: `implementation`, or the device's best."""
+  return implementation_order(implementation)[0]
 
 
 def _kernels():
@@ -66,16 +98,124 @@ def _kernels():
   return pallas_kernels
 
 
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_fallback(op: str, reason: str) -> None:
+  """Warn once per op and reason that the default implementation runs XLA instead."""
+  if (op, reason) in _WARNED:
+    return
+  _WARNED.add((op, reason))
+  warnings.warn(
+      f"{op}: the Pallas kernels do not cover this call ({reason}); running it with "
+      "implementation='xla' (pass implementation='xla' to choose it explicitly; README "
+      "'Kernel limits')",
+      FallbackWarning, stacklevel=2,
+  )
+
+
+def _run(op: str, order: tuple[str, ...], call: Callable[..., Any], *args: Any) -> Any:
+  """`call(backend, *args)` with the first implementation of `order` that covers it.
+
+  An implementation that does not cover the call raises `pallas_kernels.Unsupported` at
+  trace time (the kernels' width and geometry limits); the next one in `order` runs then,
+  with a `FallbackWarning` (once per op and reason). With nothing left to fall to (an
+  explicit "pallas"), the error says what the kernels do not cover. `jax.vmap` takes the
+  same path in the kernels' batching rule (`_no_vmap_kernels`). `args` are arrays (or
+  pytrees of them); everything static is closed over by `call`.
+  """
+  for i, impl in enumerate(order):
+    rest = order[i + 1:]
+    if impl == "xla":
+      return call(reference, *args)
+    kernels = _kernels()
+    try:
+      return _no_vmap_kernels(op, call, rest)(*args)
+    except kernels.Unsupported as e:
+      if not rest:
+        raise kernels.Unsupported(
+            f"{op}: implementation='pallas' does not cover this call: {e} (README 'Kernel "
+            "limits'; implementation=None falls back to XLA)") from e
+      _warn_fallback(op, str(e))
+  raise AssertionError("unreachable: every order ends with a working implementation")
+
+
+def _no_vmap_kernels(op: str, call: Callable[..., Any], rest: tuple[str, ...]) -> Callable:
+  """`call` on the kernels, with a batching rule: the kernels have none of their own (in
+  interpret mode JAX would fail inside a `pure_callback`). Under `jax.vmap` the rule runs
+  the rest of the order (the default implementation: XLA, vmapped, with a warning), or,
+  for an explicit "pallas", raises `Unsupported` saying what to do instead."""
+  kernels = _kernels()
+  run = custom_vmap(lambda *args: call(kernels, *args))
+
+  @run.def_vmap
+  def rule(axis_size, in_batched, *args):
+    del axis_size
+    reason = "jax.vmap: the kernels have no batching rule"
+    if not rest:
+      raise kernels.Unsupported(
+          f"{op}: implementation='pallas' does not support {reason}; pass one flat batch "
+          "(concatenate the slots and rows of the batch into one call), or use "
+          "implementation='xla'")
+    _warn_fallback(op, reason)
+    in_axes = tuple(jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched)))
+    out = jax.vmap(lambda *a: _run(op, rest, call, *a), in_axes=in_axes)(*args)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return run
+
+
+def host_indices(value: Any) -> Any:
+  """Index arguments on the host before the jit: lists become arrays (an empty one int32),
+  and numpy integer arrays narrow to int32 here (the jit would truncate int64 without
+  jax_enable_x64, wrapping 2**32 + 5 onto row 5; `exact.index_to_int32` maps values
+  outside int32 to -1 instead, a row every op skips)."""
+  if isinstance(value, (list, tuple, range)):
+    value = np.asarray(value) if len(value) else np.zeros((0,), np.int32)
+  if isinstance(value, (np.ndarray, np.generic)) and np.issubdtype(value.dtype, np.integer):
+    return exact.index_to_int32(value)
+  return value
+
+
+def bind_arguments(
+    signature: inspect.Signature, cache: MLAKVCache, op: str, args: tuple, kwargs: dict
+) -> inspect.BoundArguments:
+  """The arguments of a public op, checked and normalized before its jitted function.
+
+  `layer_id` becomes a Python int (checked here: a traced or unhashable value would
+  otherwise fail inside `jax.jit` as a non-hashable static argument), index arguments
+  pass through `host_indices`, other lists become numpy arrays, and `implementation`
+  becomes its resolved order. `args` include the cache.
+  """
+  try:
+    bound = signature.bind(*args, **kwargs)
+  except TypeError as e:
+    raise TypeError(f"{op}: {e} (signature: {op}{signature})") from None
+  arguments = bound.arguments
+  if "layer_id" in arguments:
+    arguments["layer_id"] = check_layer_id(cache, arguments["layer_id"], op)
+  for name, value in arguments.items():
+    if name in INDEX_ARGUMENTS:
+      arguments[name] = host_indices(value)
+    elif name != "implementation" and isinstance(value, (list, tuple, range)):
+      arguments[name] = np.asarray(value)
+  if "implementation" in signature.parameters:
+    arguments["implementation"] = implementation_order(arguments.get("implementation"))
+  return bound
+
+
 def _public(jitted: Callable) -> Callable:
-  """The public op: checks the cache type and turns index lists into arrays before
-  the jitted function (whose own checks run at trace time, before anything runs)."""
+  """The public op: checks the cache type and normalizes the arguments
+  (`bind_arguments`) before the jitted function, whose own checks run at trace time,
+  before anything runs."""
   name = jitted.__name__.lstrip("_")
+  signature = inspect.signature(jitted)
 
   @functools.wraps(jitted)
   def op(cache, *args, **kwargs):
     _check_cache(cache, name)
-    args = tuple(np.asarray(a) if isinstance(a, (list, tuple, range)) else a for a in args)
-    return jitted(cache, *args, **kwargs)
+    bound = bind_arguments(signature, cache, name, (cache, *args), kwargs)
+    return jitted(*bound.args, **bound.kwargs)
 
   op.__name__ = op.__qualname__ = name
   op.jitted = jitted
@@ -89,11 +229,13 @@ def _check_cache(cache: Any, op: str) -> None:
 
 
 def check_layer_id(cache: MLAKVCache, layer_id: Any, op: str) -> int:
-  """`layer_id` as a Python int in [0, layer_num); a static value is required."""
+  """`layer_id` as a Python int in [0, layer_num); a static value is required (any
+  concrete integer scalar, e.g. np.int64 or a concrete jnp.int32, is taken as its int)."""
   if isinstance(layer_id, jax.core.Tracer):
     raise TypeError(
         f"{op}: layer_id must be a static Python int (each layer is its own buffer), "
-        "got a traced value"
+        f"got a traced value {layer_id.aval.str_short()} (pass the layer number as a "
+        "Python int, not as an argument of a jitted function)"
     )
   try:
     layer_id = operator.index(layer_id)
@@ -109,7 +251,11 @@ def check_layer_id(cache: MLAKVCache, layer_id: Any, op: str) -> int:
 
 
 def check_loc(loc: Any, name: str, op: str) -> jax.Array:
-  """A rank-1 integer index array, as int32. (T,) and (T, 1) are accepted."""
+  """A rank-1 integer index array, as int32. (T,) and (T, 1) are accepted.
+
+  Any integer dtype: values outside int32's range (64-bit or unsigned indices) become -1,
+  which every op skips, instead of wrapping onto a real row (`exact.index_to_int32`).
+  """
   if not hasattr(loc, "shape") or not hasattr(loc, "dtype"):
     loc = np.asarray(loc)
   if not jnp.issubdtype(loc.dtype, jnp.integer):
@@ -118,7 +264,7 @@ def check_loc(loc: Any, name: str, op: str) -> jax.Array:
     loc = loc.reshape(-1)
   if loc.ndim != 1:
     raise ValueError(f"{op}: {name} must have shape (T,), got {tuple(loc.shape)}")
-  return jnp.asarray(loc).astype(jnp.int32)
+  return jnp.asarray(exact.index_to_int32(loc))
 
 
 def check_rows_input(x: Any, name: str, tokens: int, width: int, op: str) -> jax.Array:
@@ -136,33 +282,42 @@ def check_rows_input(x: Any, name: str, tokens: int, width: int, op: str) -> jax
 
 
 def check_dtype(dtype: Any, name: str, op: str):
+  """A dtype of `READ_DTYPES` (float64 is refused on every implementation: the kernels
+  cannot produce it and XLA would silently return float32 without jax_enable_x64)."""
   try:
     dtype = jnp.dtype(dtype)
   except TypeError:
     raise TypeError(f"{op}: {name} must be a dtype, got {dtype!r}") from None
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(f"{op}: {name} must be a float dtype, got {dtype}")
+  if dtype not in READ_DTYPES:
+    raise TypeError(
+        f"{op}: {name} must be a float dtype of {', '.join(d.name for d in READ_DTYPES)}, "
+        f"got {dtype}"
+    )
   return dtype
 
 
 # ----------------------------------------------------------------- writes
 def _write_layer(
     cache: MLAKVCache, layer_id: int, loc: jax.Array, nope: jax.Array, rope: jax.Array,
-    impl: str,
+    implementation: Implementation | tuple[str, ...], op: str, sanitize: bool = False,
 ) -> MLAKVCache:
-  buffers = cache.layer(layer_id)
   if loc.shape[0] == 0:
     return cache
-  backend = reference if impl == "xla" else _kernels()
-  if cache.config.quantized:
-    new = backend.set_rows_per_token_head(*buffers, loc, nope, rope)
-  else:
-    new = (backend.set_rows(buffers[0], loc, nope, rope),)
+  quantized = cache.config.quantized
+
+  def write(backend, buffers, loc, nope, rope):
+    if quantized:
+      return backend.set_rows_per_token_head(*buffers, loc, nope, rope, sanitize=sanitize)
+    return (backend.set_rows(buffers[0], loc, nope, rope, sanitize=sanitize),)
+
+  new = _run(op, implementation_order(implementation), write, cache.layer(layer_id), loc,
+             nope, rope)
   return cache.replace_layer(layer_id, new)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("layer_id", "implementation"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("layer_id", "implementation", "sanitize"),
+    donate_argnames=("cache",)
 )
 def _set_mla_kv_buffer(
     cache: MLAKVCache,
@@ -172,6 +327,7 @@ def _set_mla_kv_buffer(
     cache_k_rope: jax.Array,
     *,
     implementation: Implementation = None,
+    sanitize: bool = False,
 ) -> MLAKVCache:
   """Write token rows `[nope | rope]` of one layer at slots `loc` (donates `cache`).
 
@@ -182,6 +338,11 @@ def _set_mla_kv_buffer(
     cache_k_nope: (T, 1, kv_lora_rank), any float dtype.
     cache_k_rope: (T, 1, qk_rope_head_dim), any float dtype.
     implementation: None, "xla" or "pallas" (module docstring).
+    sanitize: SPEC §9, for padded rows of garbage: NaN is stored as 0; plain mode stores
+      values beyond `dtype`'s range (+-inf included) as its largest finite value with
+      their sign; per_token_head replaces +-inf by the input dtype's largest finite
+      value before quantizing and clamps rope quotients to `model_dtype`'s range. Rows
+      whose values are finite (and fit the storage dtype) are stored exactly as without.
   Returns:
     The new state. Plain mode casts to `dtype` (fp8 saturating); per_token_head
     quantizes as SPEC §3.
@@ -199,11 +360,12 @@ def _set_mla_kv_buffer(
   tokens = loc.shape[0]
   nope = check_rows_input(cache_k_nope, "cache_k_nope", tokens, cfg.kv_lora_rank, op)
   rope = check_rows_input(cache_k_rope, "cache_k_rope", tokens, cfg.qk_rope_head_dim, op)
-  return _write_layer(cache, layer_id, loc, nope, rope, resolve_implementation(implementation))
+  return _write_layer(cache, layer_id, loc, nope, rope, implementation, op, bool(sanitize))
 
 
 @functools.partial(
-    jax.jit, static_argnames=("layer_id", "implementation"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("layer_id", "implementation", "sanitize"),
+    donate_argnames=("cache",)
 )
 def _set_kv_buffer(
     cache: MLAKVCache,
@@ -212,10 +374,12 @@ def _set_kv_buffer(
     cache_k: jax.Array,
     *,
     implementation: Implementation = None,
+    sanitize: bool = False,
 ) -> MLAKVCache:
   """Write whole rows `cache_k` (T, 1, R+Rr) of one layer at `loc` (donates `cache`).
 
-  The same as `set_mla_kv_buffer(cache, layer_id, loc, cache_k[..., :R], cache_k[..., R:])`.
+  The same as `set_mla_kv_buffer(cache, layer_id, loc, cache_k[..., :R], cache_k[..., R:],
+  sanitize=sanitize)`.
   """
   op = "set_kv_buffer"
   _check_cache(cache, op)
@@ -224,7 +388,7 @@ def _set_kv_buffer(
   loc = check_loc(loc, "loc", op)
   cache_k = check_rows_input(cache_k, "cache_k", loc.shape[0], cfg.kv_cache_dim, op)
   nope, rope = cache_k[..., : cfg.kv_lora_rank], cache_k[..., cfg.kv_lora_rank:]
-  return _write_layer(cache, layer_id, loc, nope, rope, resolve_implementation(implementation))
+  return _write_layer(cache, layer_id, loc, nope, rope, implementation, op, bool(sanitize))
 
 
 # ----------------------------------------------------------------- reads
@@ -259,12 +423,13 @@ def _get_mla_kv_buffer(
   if tokens == 0:
     return (jnp.zeros((0, 1, cfg.kv_lora_rank), dst_dtype),
             jnp.zeros((0, 1, cfg.qk_rope_head_dim), dst_dtype))
-  impl = resolve_implementation(implementation)
-  backend = reference if impl == "xla" else _kernels()
-  buffers = cache.layer(layer_id)
-  if cfg.quantized:
-    return backend.get_rows_per_token_head(*buffers, loc, dst_dtype=dst_dtype)
-  return backend.get_rows(buffers[0], loc, kv_lora_rank=cfg.kv_lora_rank, dst_dtype=dst_dtype)
+
+  def read(backend, buffers, loc):
+    if cfg.quantized:
+      return backend.get_rows_per_token_head(*buffers, loc, dst_dtype=dst_dtype)
+    return backend.get_rows(buffers[0], loc, kv_lora_rank=cfg.kv_lora_rank, dst_dtype=dst_dtype)
+
+  return _run(op, implementation_order(implementation), read, cache.layer(layer_id), loc)
 
 
 # ----------------------------------------------------------------- moves
@@ -277,13 +442,6 @@ def _check_pair(tgt: Any, src: Any, op: str, names=("tgt_loc", "src_loc")):
         f"{tgt.shape[0]} and {src.shape[0]}"
     )
   return tgt, src
-
-
-def _kernel_moves(cache: MLAKVCache) -> bool:
-  """Whether the move kernels take this cache: the per_token_head scale buffer (4-byte
-  rows) is read in aligned 16-byte windows, so its rows must be a multiple of 4; other
-  sizes move through XLA."""
-  return not cache.config.quantized or cache.config.rows % 4 == 0
 
 
 @functools.partial(jax.jit, static_argnames=("implementation",), donate_argnames=("cache",))
@@ -304,9 +462,12 @@ def _move_kv_cache(
   tgt, src = _check_pair(tgt_loc, src_loc, op)
   if tgt.shape[0] == 0:
     return cache
-  impl = resolve_implementation(implementation)
-  backend = reference if impl == "xla" or not _kernel_moves(cache) else _kernels()
-  return cache.with_flat_buffers(tuple(backend.move_rows(cache.flat_buffers(), tgt, src)))
+
+  def move(backend, buffers, tgt, src):
+    return tuple(backend.move_rows(buffers, tgt, src))
+
+  moved = _run(op, implementation_order(implementation), move, cache.flat_buffers(), tgt, src)
+  return cache.with_flat_buffers(moved)
 
 
 @functools.partial(jax.jit, static_argnames=("implementation",), donate_argnames=("cache",))
@@ -327,10 +488,13 @@ def _move_kv_pages(
   tgt, src = _check_pair(tgt_pages, src_pages, op, ("tgt_pages", "src_pages"))
   if tgt.shape[0] == 0:
     return cache
-  impl = resolve_implementation(implementation)
-  backend = reference if impl == "xla" or not _kernel_moves(cache) else _kernels()
-  moved = backend.move_pages(cache.flat_buffers(), tgt, src, page_size=cache.config.page_size)
-  return cache.with_flat_buffers(tuple(moved))
+  page_size = cache.config.page_size
+
+  def move(backend, buffers, tgt, src):
+    return tuple(backend.move_pages(buffers, tgt, src, page_size=page_size))
+
+  moved = _run(op, implementation_order(implementation), move, cache.flat_buffers(), tgt, src)
+  return cache.with_flat_buffers(moved)
 
 
 set_mla_kv_buffer = _public(_set_mla_kv_buffer)

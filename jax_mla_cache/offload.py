@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mla_cache import reference
-from jax_mla_cache.dispatch import _check_cache, check_loc
+from jax_mla_cache.dispatch import _check_cache, check_loc, host_indices
 from jax_mla_cache.state import MLAKVCache
 
 OFFLOAD_CHUNK_TOKENS = 1024
@@ -130,9 +130,8 @@ def _gather_to(out_shardings, reuse: bool):
 
 
 def _as_indices(token_indices: Any, name: str, op: str) -> jax.Array:
-  if isinstance(token_indices, (list, tuple, range)):
-    token_indices = np.asarray(token_indices, dtype=np.int32).reshape(-1)
-  return check_loc(token_indices, name, op)
+  """(T,) int32 indices; 64-bit values outside int32 become -1 (skipped), never wrapped."""
+  return check_loc(host_indices(token_indices), name, op)
 
 
 def get_cpu_copy(

@@ -2,8 +2,9 @@
 
 Results schema: `{device, jax, commit, date, method, copy_gbps, pinned_copy_gbps,
 records: [{op, impl, T, layers, us, gbps}]}` (optionally `pinned_d2h_gbps`,
-`pinned_h2d_gbps`). `plot_results` draws GB/s against T (log x) for each op, one
-line per implementation, with the measured copy bandwidth as the ceiling: the
+`pinned_h2d_gbps`; the fused RoPE write's records add `H`, the query heads). `plot_results`
+draws GB/s against T (log x) for each op, one line per implementation (and head count),
+with the measured copy bandwidth as the ceiling: the
 device copy for device ops, the pinned-host copy for the offload ops.
 
 Uses matplotlib's object-oriented API with the Agg canvas, so it neither needs
@@ -32,8 +33,11 @@ OP_TITLES = {
     "move_pages": "move_kv_pages, all layers",
     "offload_d2h": "get_cpu_copy (device -> host)",
     "offload_h2d": "load_cpu_copy (host -> device)",
+    "rope_set": "rope_set_mla_kv_buffer (RoPE + q_out + write), bf16",
+    "rope_set_pth": "rope_set_mla_kv_buffer, per_token_head fp8",
 }
-IMPL_STYLES = {"pallas": dict(color="C0", marker="o"), "xla": dict(color="C1", marker="s")}
+IMPL_STYLES = {"pallas": dict(color="C0", marker="o"), "xla": dict(color="C1", marker="s"),
+               "unfused": dict(color="C2", marker="^")}
 
 
 def load_results(path: str) -> dict[str, Any]:
@@ -98,14 +102,21 @@ def plot_results(results: dict[str, Any], path: str | None = None) -> Figure:
       _bars(ax, results, op, op_records)
       continue
     layer_counts = sorted({r.get("layers", 1) for r in op_records})
+    head_counts = sorted({r["H"] for r in op_records if r.get("H") is not None}) or [None]
     for impl in sorted({r["impl"] for r in op_records}):
       for layers in layer_counts:
-        pts = sorted((r["T"], r["gbps"]) for r in op_records
-                     if r["impl"] == impl and r.get("layers", 1) == layers)
-        if not pts:
-          continue
-        label = impl if len(layer_counts) == 1 else f"{impl}, {layers} layers"
-        ax.plot(*zip(*pts), label=label, **IMPL_STYLES.get(impl, {}))
+        for k, heads in enumerate(head_counts):
+          pts = sorted((r["T"], r["gbps"]) for r in op_records
+                       if r["impl"] == impl and r.get("layers", 1) == layers
+                       and r.get("H") == heads)
+          if not pts:
+            continue
+          label = impl if len(layer_counts) == 1 else f"{impl}, {layers} layers"
+          style = dict(IMPL_STYLES.get(impl, {}))
+          if heads is not None:
+            label += f", H={heads}"
+            style["linestyle"] = ("-", ":", "-.")[k % 3]
+          ax.plot(*zip(*pts), label=label, **style)
     ceiling, ceiling_label = _ceiling(results, op)
     if ceiling:
       ax.axhline(ceiling, color="gray", linestyle="--", label=f"{ceiling_label} {ceiling:,.0f} GB/s")

@@ -2,14 +2,21 @@
 
 Array-level functions (buffers in, buffers out), as the Pallas kernels in
 `pallas_kernels/`; `jax_mla_cache.dispatch` picks between them. Numerics follow
-SPEC §3 bit for bit:
+SPEC §3 bit for bit, subnormals included, on every backend (`pallas_kernels.exact`):
 
     amax  = max(|nope|)                          (f32, per token row)
     scale = max(amax, 1e-26) * float32(1/448)    (a multiply, as PyTorch does)
     q     = clip(nope / scale, -448, 448) -> float8_e4m3fn   (true f32 division, RNE)
     rope' = (rope / scale) -> model_dtype                    (true f32 division, RNE)
 
-Out-of-range rows (negative or >= rows) are skipped on writes and read as zeros.
+Out-of-range rows (negative or >= rows, whatever the integer type) are skipped on writes
+and read as zeros. Every write and move costs O(T) on every backend (`_write_rows`: XLA:CPU
+has no float8 scatter, so fp8 rows are written there by a host callback in place).
+
+`sanitize=True` on the writes (SPEC §9): NaN is stored as 0; plain storage stores values
+beyond its dtype's largest finite value (+-inf included) as that value with their sign;
+per_token_head replaces +-inf by the input dtype's largest finite value before quantizing
+and clamps a rope quotient beyond `model_dtype`'s range to its largest finite value.
 """
 
 from __future__ import annotations
@@ -20,6 +27,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
+
+from jax.experimental.buffer_callback import buffer_callback
+
+from pallas_kernels import exact
 
 F32 = jnp.float32
 FP8_MAX = 448.0
@@ -39,71 +50,43 @@ def cast_to_storage(x: jax.Array, dtype) -> jax.Array:
   return x.astype(dtype)
 
 
-def _true_divide(x: jax.Array, per_row: jax.Array) -> jax.Array:
-  """`x / per_row` as a correctly rounded IEEE f32 division of every element.
-
-  Three XLA behaviours stand in the way of a plain `x / y`: XLA:GPU emits the approximate
-  `div.full.f32` (up to 2 ulp off), XLA's algebraic simplifier rewrites `x / broadcast(y)`
-  into `x * broadcast(1/y)`, and XLA:GPU elides intermediate narrowing casts
-  (openxla/xla#41605), so `f64 -> f32 -> bf16` becomes one `f64 -> bf16` rounding. So the
-  quotient is taken in float64 (an IEEE `div.rn.f64` everywhere; exact enough, since a
-  double-precision quotient rounded to single equals the correctly rounded single quotient,
-  53 >= 2*24+2 bits), the broadcast divisor sits behind an optimization barrier, and the
-  rounding to f32 is done on the bits (:func:`_round_to_f32`), which no pass can elide.
-
-  Measured on the H200 before the bit rounding: ~0.05-0.1% of stored bf16 ropes one ulp
-  off the seed's PyTorch bytes (always the single-rounding neighbour of a bf16 tie).
-  """
-  divisor = lax.optimization_barrier(jnp.broadcast_to(per_row, x.shape))
-  with jax.enable_x64(True):
-    wide = lax.div(lax.convert_element_type(x, jnp.float64),
-                   lax.convert_element_type(divisor, jnp.float64))
-    return _round_to_f32(wide)
+def finite_max(dtype) -> float:
+  """The largest finite value of a float dtype."""
+  return float(jnp.finfo(dtype).max)
 
 
-def _round_to_f32(wide: jax.Array) -> jax.Array:
-  """float64 -> float32, round to nearest even, computed on the bit patterns.
-
-  Normal f32 results (and overflow to inf) come from integer arithmetic on the f64 bits;
-  zeros, NaN, infinities and f32-subnormal results use the plain conversion.
-  Call under ``jax.enable_x64(True)``.
-  """
-  u64 = jnp.uint64
-  bits = lax.bitcast_convert_type(wide, u64)
-  sign = bits >> u64(63)
-  exponent = (bits >> u64(52)) & u64(0x7FF)
-  mantissa = bits & u64((1 << 52) - 1)
-  keep = mantissa >> u64(29)
-  rest = mantissa & u64((1 << 29) - 1)
-  half = u64(1 << 28)
-  round_up = (rest > half) | ((rest == half) & ((keep & u64(1)) == u64(1)))
-  # f32 normal exponents 1..254 are f64 exponents 897..1150; a mantissa carry bumps the
-  # exponent (254 + carry = 255 with a zero mantissa: inf, the correct RNE overflow).
-  normal = (exponent >= u64(897)) & (exponent <= u64(1150))
-  magnitude = (jnp.where(normal, exponent - u64(896), u64(0)) << u64(23)) + keep + round_up.astype(u64)
-  rounded = lax.bitcast_convert_type(
-      ((sign << u64(31)) | magnitude).astype(jnp.uint32), jnp.float32)
-  return jnp.where(normal, rounded, lax.convert_element_type(wide, jnp.float32))
+def sanitize_f32(x: jax.Array, limit: float) -> jax.Array:
+  """SPEC §9 on float32 values: NaN -> 0, values beyond +-limit (+-inf included) -> +-limit;
+  values within the limit unchanged (the kernels' `pallas_kernels.common.sanitize_f32`)."""
+  return jnp.where(jnp.isnan(x), jnp.float32(0), jnp.clip(x, -limit, limit))
 
 
 def quantize_per_token_head(
-    nope: jax.Array, rope: jax.Array, rope_dtype
+    nope: jax.Array, rope: jax.Array, rope_dtype, *, sanitize: bool = False
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Quantize token rows as SPEC §3.
+  """Quantize token rows as SPEC §3 (and §9 with `sanitize`, module docstring).
 
   Args:
     nope: (T, 1, R) any float dtype.
     rope: (T, 1, Rr) any float dtype.
     rope_dtype: storage dtype of the scaled rope (the model dtype).
+    sanitize: NaN -> 0 and +-inf -> the input dtype's largest finite value before
+      quantizing; rope quotients clamped to rope_dtype's largest finite value.
   Returns:
     (q (T,1,R) float8_e4m3fn, scale (T,1,1) float32, rope_stored (T,1,Rr) rope_dtype).
   """
-  nope = nope.astype(F32)
-  amax = jnp.max(jnp.abs(nope), axis=-1, keepdims=True)
+  nope32, rope32 = nope.astype(F32), rope.astype(F32)
+  if sanitize:
+    nope32 = sanitize_f32(nope32, finite_max(nope.dtype))
+    rope32 = sanitize_f32(rope32, finite_max(rope.dtype))
+  amax = jnp.max(jnp.abs(nope32), axis=-1, keepdims=True)
   scale = jnp.maximum(amax, AMAX_FLOOR) * INV_FP8_MAX
-  q = jnp.clip(_true_divide(nope, scale), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-  rope_stored = _true_divide(rope.astype(F32), scale).astype(rope_dtype)
-  return q, scale, rope_stored
+  q = jnp.clip(exact.divide(nope32, scale), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+  rope_scaled = exact.divide(rope32, scale)
+  if sanitize:
+    limit = finite_max(rope_dtype)
+    rope_scaled = jnp.clip(rope_scaled, -limit, limit)
+  return q, scale, rope_scaled.astype(rope_dtype)
 
 
 def dequantize_per_token_head(
@@ -111,48 +94,104 @@ def dequantize_per_token_head(
 ) -> tuple[jax.Array, jax.Array]:
   """Inverse of `quantize_per_token_head`: (nope (T,1,R), rope (T,1,Rr)) in dst_dtype
   (an fp8 dst_dtype saturates, like every cast to fp8 here)."""
-  nope = cast_to_storage(q.astype(F32) * scale, dst_dtype)
-  rope = cast_to_storage(rope_stored.astype(F32) * scale, dst_dtype)
+  nope = cast_to_storage(exact.multiply(q.astype(F32), scale), dst_dtype)
+  rope = cast_to_storage(exact.multiply(rope_stored.astype(F32), scale), dst_dtype)
   return nope, rope
 
 
 def _masked(loc: jax.Array, rows: int) -> jax.Array:
   """Map every index outside [0, rows) to `rows`, which scatter/gather modes drop/fill.
 
-  JAX would otherwise wrap negative indices (numpy semantics) onto real rows.
+  JAX would otherwise wrap negative indices (numpy semantics) onto real rows; 64-bit
+  indices are narrowed without wrapping first (`exact.index_to_int32`).
   """
-  loc = loc.astype(jnp.int32)
+  loc = exact.index_to_int32(loc)
   return jnp.where((loc >= 0) & (loc < rows), loc, rows)
 
 
+def _is_fp8(dtype) -> bool:
+  return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _write_rows(buf: jax.Array, idx: jax.Array, values: jax.Array) -> jax.Array:
+  """`buf[idx[i]] = values[i]` with `idx` from `_masked` (index `rows`: dropped); in place
+  when `buf` is donated, O(T) on every backend.
+
+  XLA:CPU supports no float8 scatter (nor dynamic-update-slice): it converts the whole
+  buffer to f16 and back around one (a 1-row write into a 262144-row fp8 cache took 0.5-1 s),
+  and a uint8 view does not help there (the same-width bitcast-convert is a pass over the
+  whole buffer too). So on CPU fp8 rows are written by a host callback on the buffer
+  itself (`jax.experimental.buffer_callback`, aliased: no copy). Lowering an fp8 write for
+  several platforms at once is therefore unsupported (buffer callbacks lower for one).
+  """
+  if not _is_fp8(buf.dtype):
+    return buf.at[idx].set(values, mode="drop")
+
+  def xla_write(buf, idx, values):
+    return buf.at[idx].set(values, mode="drop")
+
+  def host_write(buf, idx, values):
+    write = buffer_callback(_write_rows_on_host, jax.ShapeDtypeStruct(buf.shape, buf.dtype),
+                            input_output_aliases={0: 0}, vmap_method="sequential")
+    return write(buf, idx, values)
+
+  return lax.platform_dependent(buf, idx, values, cpu=host_write, default=xla_write)
+
+
+def _write_rows_on_host(ctx, out, buf, idx, values) -> None:
+  """The CPU callback of `_write_rows`: `out` is `buf` (aliased); writes the raw bytes."""
+  del ctx, buf
+  out = np.asarray(out).view(np.uint8)
+  idx = np.asarray(idx)
+  keep = idx < out.shape[0]
+  out[idx[keep]] = np.asarray(values).view(np.uint8)[keep]
+
+
 def scatter_rows(buf: jax.Array, loc: jax.Array, values: jax.Array) -> jax.Array:
-  """`buf[loc[i]] = values[i]` for in-range `loc`; others skipped."""
-  return buf.at[_masked(loc, buf.shape[0])].set(values.astype(buf.dtype), mode="drop")
+  """`buf[loc[i]] = values[i]` for in-range `loc`; others skipped (values cast to buf.dtype)."""
+  return _write_rows(buf, _masked(loc, buf.shape[0]), values.astype(buf.dtype))
 
 
 def gather_rows(buf: jax.Array, loc: jax.Array) -> jax.Array:
   """`buf[loc]`, zeros where `loc` is out of range."""
-  return buf.at[_masked(loc, buf.shape[0])].get(mode="fill", fill_value=0)
+  return _read_rows(buf, _masked(loc, buf.shape[0]))
+
+
+def _read_rows(buf: jax.Array, idx: jax.Array) -> jax.Array:
+  """`buf[idx]` with `idx` from `_masked` (index `rows`: zeros).
+
+  float8 rows are gathered as uint8: XLA:CPU would otherwise convert the buffer to f16 for
+  the gather (fused into it, so O(T), but a whole-buffer convert in the HLO all the same).
+  """
+  if not _is_fp8(buf.dtype):
+    return buf.at[idx].get(mode="fill", fill_value=0)
+  bits = lax.bitcast_convert_type(buf, jnp.uint8)
+  return lax.bitcast_convert_type(bits.at[idx].get(mode="fill", fill_value=0), buf.dtype)
 
 
 # ----------------------------------------------------------------- row ops
-def set_rows(kv: jax.Array, loc: jax.Array, nope: jax.Array, rope: jax.Array) -> jax.Array:
+def set_rows(kv: jax.Array, loc: jax.Array, nope: jax.Array, rope: jax.Array, *,
+             sanitize: bool = False) -> jax.Array:
   """Plain storage: write `[nope | rope]` cast to `kv.dtype` at rows `loc`.
 
-  kv (rows,1,R+Rr); loc (T,) int; nope (T,1,R); rope (T,1,Rr).
+  kv (rows,1,R+Rr); loc (T,) int; nope (T,1,R); rope (T,1,Rr). `sanitize`: module docstring.
   """
-  row = jnp.concatenate(
-      [cast_to_storage(nope, kv.dtype), cast_to_storage(rope, kv.dtype)], axis=-1
-  )
-  return scatter_rows(kv, loc, row)
+  def cast(x):
+    if sanitize:
+      x = sanitize_f32(x.astype(F32), finite_max(kv.dtype))
+    return cast_to_storage(x, kv.dtype)
+
+  return scatter_rows(kv, loc, jnp.concatenate([cast(nope), cast(rope)], axis=-1))
 
 
 def set_rows_per_token_head(
     nope_buf: jax.Array, scale_buf: jax.Array, rope_buf: jax.Array,
-    loc: jax.Array, nope: jax.Array, rope: jax.Array,
+    loc: jax.Array, nope: jax.Array, rope: jax.Array, *, sanitize: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """per_token_head storage: quantize (SPEC §3) and write the three buffers."""
-  q, scale, rope_stored = quantize_per_token_head(nope, rope, rope_buf.dtype)
+  """per_token_head storage: quantize (SPEC §3, §9 with `sanitize`) and write the three
+  buffers."""
+  q, scale, rope_stored = quantize_per_token_head(nope, rope, rope_buf.dtype,
+                                                  sanitize=sanitize)
   return (
       scatter_rows(nope_buf, loc, q),
       scatter_rows(scale_buf, loc, scale),
@@ -192,14 +231,14 @@ def move_rows(
     rows = buf.shape[0]
     src = _masked(src_loc, rows)
     tgt = jnp.where(src < rows, _masked(tgt_loc, rows), rows)
-    out.append(buf.at[tgt].set(buf.at[src].get(mode="fill", fill_value=0), mode="drop"))
+    out.append(_write_rows(buf, tgt, _read_rows(buf, src)))
   return tuple(out)
 
 
 def page_rows(pages: jax.Array, page_size: int, rows: int) -> jax.Array:
   """Row indices of whole pages, (P,) -> (P*page_size,); a page not wholly inside
   [0, rows) maps all its rows to -1 (skipped)."""
-  pages = pages.astype(jnp.int32)
+  pages = exact.index_to_int32(pages)
   valid = (pages >= 0) & (pages < rows // page_size)
   idx = pages[:, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)[None, :]
   return jnp.where(valid[:, None], idx, -1).reshape(-1)

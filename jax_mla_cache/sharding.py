@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -59,7 +60,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_mla_cache import attention, dispatch, offload, reference
+from jax_mla_cache import attention, dispatch, offload, reference, rope_write
 from jax_mla_cache.config import MLACacheConfig
 from jax_mla_cache.state import MLAKVCache, init_cache
 
@@ -284,23 +285,30 @@ def _combine_owned(x: jax.Array, axis: str) -> jax.Array:
 
 
 def _public(jitted: Callable, *, per_layer: bool) -> Callable:
-  """The public op: checks, then runs `jitted`; a pipeline cache runs it on the stage
-  of `layer_id` (`per_layer`, the first argument after the cache) or on every stage."""
+  """The public op: checks and normalizes the arguments (`dispatch.bind_arguments`: a
+  static int layer_id, 64-bit host indices narrowed without wrapping, the implementation
+  order), then runs `jitted`; a pipeline cache runs it on the stage of `layer_id`
+  (`per_layer`) or on every stage."""
+  name = jitted.__name__
+  signature = inspect.signature(jitted)
 
   @functools.wraps(jitted)
   def op(cache, *args, **kwargs):
-    _check_sharded(cache, jitted.__name__)
-    args = tuple(np.asarray(a) if isinstance(a, (list, tuple, range)) else a for a in args)
+    _check_sharded(cache, name)
+    bound = dispatch.bind_arguments(signature, cache.cache, name, (cache, *args), kwargs)
+    args, kwargs = bound.args[1:], bound.kwargs
     if cache.layout.kind != "pipeline":
       return jitted(cache, *args, **kwargs)
     layer_num = cache.cache.config.layer_num
     if per_layer:
-      layer_id = dispatch.check_layer_id(cache.cache, args[0], jitted.__name__)
+      layer_id = args[0]
       stage = cache.layout.stage_of(layer_id, layer_num)
       view = stage_view(cache, stage)
       local_id = layer_id - cache.layout.stage_layers(stage, layer_num).start
       rest = tuple(_to_stage(view, a) for a in args[1:])
       out = jitted(view, local_id, *rest, **kwargs)
+      if isinstance(out, tuple) and out and isinstance(out[0], ShardedMLAKVCache):
+        return (with_stage(cache, stage, out[0]), *out[1:])  # (cache, q_out)
       return with_stage(cache, stage, out) if isinstance(out, ShardedMLAKVCache) else out
     for stage in _stages(cache):
       view = stage_view(cache, stage)
@@ -319,7 +327,7 @@ _WRITE_INPUTS = {
 }
 
 
-def _write(cache, op, layer_id, loc, values, implementation):
+def _write(cache, op, layer_id, loc, values, implementation, sanitize):
   layout, storage = cache.layout, cache.cache
   layer_id = dispatch.check_layer_id(storage, layer_id, op)
   loc = dispatch.check_loc(loc, "loc", op)
@@ -334,7 +342,8 @@ def _write(cache, op, layer_id, loc, values, implementation):
 
   def body(layer, loc, *values):
     local = _local_cache(layout, storage.config, (layer,))
-    local = local_op(local, 0, _to_local(layout, loc, rows), *values, implementation=implementation)
+    local = local_op(local, 0, _to_local(layout, loc, rows), *values,
+                     implementation=implementation, sanitize=sanitize)
     return local.layer(0)
 
   spec, token = layout.buffer_spec, layout.token_spec
@@ -344,7 +353,8 @@ def _write(cache, op, layer_id, loc, values, implementation):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("layer_id", "implementation"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("layer_id", "implementation", "sanitize"),
+    donate_argnames=("cache",)
 )
 def set_mla_kv_buffer(
     cache: ShardedMLAKVCache,
@@ -354,6 +364,7 @@ def set_mla_kv_buffer(
     cache_k_rope: jax.Array,
     *,
     implementation: dispatch.Implementation = None,
+    sanitize: bool = False,
 ) -> ShardedMLAKVCache:
   """`dispatch.set_mla_kv_buffer` on a sharded cache (donates `cache`).
 
@@ -361,11 +372,12 @@ def set_mla_kv_buffer(
   (T, 1, R), cache_k_rope (T, 1, Rr), split or replicated like `loc`.
   """
   return _write(cache, "set_mla_kv_buffer", layer_id, loc, (cache_k_nope, cache_k_rope),
-                implementation)
+                implementation, sanitize)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("layer_id", "implementation"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("layer_id", "implementation", "sanitize"),
+    donate_argnames=("cache",)
 )
 def set_kv_buffer(
     cache: ShardedMLAKVCache,
@@ -374,9 +386,57 @@ def set_kv_buffer(
     cache_k: jax.Array,
     *,
     implementation: dispatch.Implementation = None,
+    sanitize: bool = False,
 ) -> ShardedMLAKVCache:
   """`dispatch.set_kv_buffer` on a sharded cache: whole rows cache_k (T, 1, R+Rr)."""
-  return _write(cache, "set_kv_buffer", layer_id, loc, (cache_k,), implementation)
+  return _write(cache, "set_kv_buffer", layer_id, loc, (cache_k,), implementation, sanitize)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("layer_id", "is_neox", "q_out_dtype", "sanitize", "implementation"),
+    donate_argnames=("cache",)
+)
+def rope_set_mla_kv_buffer(
+    cache: ShardedMLAKVCache,
+    layer_id: int,
+    loc: jax.Array,
+    positions: jax.Array,
+    q_nope: jax.Array,
+    q_rope: jax.Array,
+    k_nope: jax.Array,
+    k_rope: jax.Array,
+    cos_sin_cache: jax.Array,
+    *,
+    is_neox: bool = False,
+    q_out_dtype: Any = None,
+    sanitize: bool = False,
+    implementation: dispatch.Implementation = None,
+) -> tuple[ShardedMLAKVCache, jax.Array]:
+  """`rope_write.rope_set_mla_kv_buffer` on a sharded cache (donates `cache`).
+
+  Every shard writes its rows (as `set_mla_kv_buffer`); q_out (T, H, R+Rr) follows the
+  token layout: split along the axis (data_parallel) or replicated (the others, where
+  every rank computes it). cos_sin_cache is replicated.
+  """
+  op = "rope_set_mla_kv_buffer"
+  layout, storage = cache.layout, cache.cache
+  layer_id = dispatch.check_layer_id(storage, layer_id, op)
+  loc, positions, q_nope, q_rope, k_nope, k_rope, table, out_dtype = rope_write.check_inputs(
+      cache.config, loc, positions, q_nope, q_rope, k_nope, k_rope, cos_sin_cache, q_out_dtype)
+  _check_tokens(layout, loc.shape[0], "loc", op)
+  rows = storage.config.rows
+
+  def body(layer, loc, *values):
+    local = _local_cache(layout, storage.config, (layer,))
+    local, q_out = rope_write.rope_set_mla_kv_buffer(
+        local, 0, _to_local(layout, loc, rows), *values, is_neox=is_neox,
+        q_out_dtype=out_dtype, sanitize=sanitize, implementation=implementation)
+    return local.layer(0), q_out
+
+  spec, token = layout.buffer_spec, layout.token_spec
+  new, q_out = _shard_map(layout, body, (spec,) + (token,) * 6 + (P(),), (spec, token))(
+      storage.layer(layer_id), loc, positions, q_nope, q_rope, k_nope, k_rope, table)
+  return cache.replace(storage.replace_layer(layer_id, new)), q_out
 
 
 @functools.partial(jax.jit, static_argnames=("layer_id", "dst_dtype", "implementation"))
@@ -589,6 +649,7 @@ def load_cpu_copy(
 set_mla_kv_buffer = _public(set_mla_kv_buffer, per_layer=True)
 set_kv_buffer = _public(set_kv_buffer, per_layer=True)
 get_mla_kv_buffer = _public(get_mla_kv_buffer, per_layer=True)
+rope_set_mla_kv_buffer = _public(rope_set_mla_kv_buffer, per_layer=True)
 move_kv_cache = _public(move_kv_cache, per_layer=False)
 move_kv_pages = _public(move_kv_pages, per_layer=False)
 

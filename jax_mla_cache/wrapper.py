@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla_cache import attention, dispatch, offload
+from jax_mla_cache import attention, dispatch, offload, rope_write
 from jax_mla_cache.config import MLACacheConfig
 from jax_mla_cache.state import MLAKVCache, init_cache
 
@@ -60,12 +60,16 @@ class MLATokenToKVPool:
     `enable_alt_stream` are accepted and ignored (moves always use one kernel;
     JAX schedules streams itself).
   Extra keyword args:
-    implementation: None / "xla" / "pallas" for every op (see `dispatch`).
+    implementation: None / "xla" / "pallas" for every op (see `dispatch`; None runs the
+      kernels on sm_90+ and falls back to XLA for what they do not cover).
     debug_checks: validate indices on the host before each call and raise
       IndexError with the offending positions (costs a device-to-host sync). In
       this mode padding must target page 0 (loc 0), as the seed's convention.
     sharding: a sharding for every buffer (see `jax_mla_cache.sharding`).
     offload_chunk_page_num: tokens per chunk of host copies (seed: 1024).
+    sanitize: the default of the writes' `sanitize` (SPEC §9: NaN stored as 0, +-inf as
+      the largest finite value; `dispatch.set_mla_kv_buffer`). Each write method takes
+      `sanitize=` to override it for one call.
   """
 
   def __init__(
@@ -90,6 +94,7 @@ class MLATokenToKVPool:
       debug_checks: bool = False,
       sharding: jax.sharding.Sharding | None = None,
       offload_chunk_page_num: int = offload.OFFLOAD_CHUNK_TOKENS,
+      sanitize: bool = False,
   ):
     self.config = MLACacheConfig(
         size=size, page_size=page_size, kv_lora_rank=kv_lora_rank,
@@ -104,8 +109,10 @@ class MLATokenToKVPool:
     self.quant_method = quant_method
     self.max_batch_size, self.max_context_len, self.rank = max_batch_size, max_context_len, rank
     self.enable_memory_saver = enable_memory_saver
-    self.implementation = dispatch.resolve_implementation(implementation)
+    dispatch.implementation_order(implementation)  # raises for an unknown name
+    self.implementation = implementation  # None keeps the fall-through to XLA per call
     self.debug_checks = debug_checks
+    self.sanitize = bool(sanitize)
     self.offload_chunk_page_num = offload_chunk_page_num
     self.layer_transfer_counter: LayerTransferCounter | None = None
     self.device = _resolve_device(device, rank)
@@ -116,7 +123,8 @@ class MLATokenToKVPool:
     self._cache: MLAKVCache | None = self._new_cache()
     logger.info(
         "MLATokenToKVPool: %d layers x %d rows, %.2f GB, implementation=%s",
-        layer_num, self.config.rows, self.get_kv_size_bytes() / GB, self.implementation,
+        layer_num, self.config.rows, self.get_kv_size_bytes() / GB,
+        dispatch.resolve_implementation(implementation),
     )
 
   def _new_cache(self) -> MLAKVCache:
@@ -162,29 +170,55 @@ class MLATokenToKVPool:
       self.layer_transfer_counter.wait_until(layer_id)
 
   # ------------------------------------------------------------------ writes
+  def _sanitize(self, sanitize: bool | None) -> bool:
+    return self.sanitize if sanitize is None else bool(sanitize)
+
   def set_kv_buffer(
       self, layer: Any, loc: Any, cache_k: jax.Array, cache_v: Any = None,
-      k_scale: float | None = None, v_scale: float | None = None,
+      k_scale: float | None = None, v_scale: float | None = None, *,
+      sanitize: bool | None = None,
   ) -> None:
     """Write whole rows `cache_k` (T, 1, R+Rr) at `loc`.
 
     `cache_v`, `k_scale` and `v_scale` are accepted for the seed's signature and
-    ignored (MLA stores one latent row; the seed ignores them too).
+    ignored (MLA stores one latent row; the seed ignores them too). `sanitize`: None
+    takes the pool's default.
     """
     self._check_indices("set_kv_buffer", "loc", loc)
     self._cache = dispatch.set_kv_buffer(
-        self.cache, _layer_id(layer), loc, cache_k, implementation=self.implementation
+        self.cache, _layer_id(layer), loc, cache_k, implementation=self.implementation,
+        sanitize=self._sanitize(sanitize),
     )
 
   def set_mla_kv_buffer(
-      self, layer: Any, loc: Any, cache_k_nope: jax.Array, cache_k_rope: jax.Array
+      self, layer: Any, loc: Any, cache_k_nope: jax.Array, cache_k_rope: jax.Array, *,
+      sanitize: bool | None = None,
   ) -> None:
-    """Write `[nope (T,1,R) | rope (T,1,Rr)]` at `loc` (quantizing in per_token_head)."""
+    """Write `[nope (T,1,R) | rope (T,1,Rr)]` at `loc` (quantizing in per_token_head).
+
+    `sanitize`: None takes the pool's default."""
     self._check_indices("set_mla_kv_buffer", "loc", loc)
     self._cache = dispatch.set_mla_kv_buffer(
         self.cache, _layer_id(layer), loc, cache_k_nope, cache_k_rope,
-        implementation=self.implementation,
+        implementation=self.implementation, sanitize=self._sanitize(sanitize),
     )
+
+  def rope_set_mla_kv_buffer(
+      self, layer: Any, loc: Any, positions: Any, q_nope: jax.Array, q_rope: jax.Array,
+      k_nope: jax.Array, k_rope: jax.Array, cos_sin_cache: Any, *, is_neox: bool = False,
+      q_out_dtype: Any = None, sanitize: bool | None = None,
+  ) -> jax.Array:
+    """The fused decode write (`rope_write.rope_set_mla_kv_buffer`, SPEC §8): rotates
+    q_rope (T,H,Rr) and k_rope (T,1,Rr) by `positions`, writes [k_nope | rope(k_rope)] at
+    `loc` and returns q_out (T, H, R+Rr) = [q_nope | rope(q_rope)]. `sanitize`: None
+    takes the pool's default."""
+    self._check_indices("rope_set_mla_kv_buffer", "loc", loc)
+    self._cache, q_out = rope_write.rope_set_mla_kv_buffer(
+        self.cache, _layer_id(layer), loc, positions, q_nope, q_rope, k_nope, k_rope,
+        cos_sin_cache, is_neox=is_neox, q_out_dtype=q_out_dtype,
+        sanitize=self._sanitize(sanitize), implementation=self.implementation,
+    )
+    return q_out
 
   # ------------------------------------------------------------------ reads
   def get_mla_kv_buffer(

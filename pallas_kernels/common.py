@@ -23,6 +23,8 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import exact
+
 F32 = jnp.float32
 
 # Max finite value of each fp8 storage format (saturating casts clip to it).
@@ -38,6 +40,14 @@ MODEL_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float
 
 # cp.async.bulk (the TMA engine's plain bulk copy) needs 16-byte sizes and addresses.
 BULK_ALIGN = 16
+
+
+class Unsupported(NotImplementedError):
+  """The kernels do not cover this call (a row width, a buffer geometry, ``jax.vmap``).
+
+  Raised at trace time, before anything runs; ``jax_mla_cache.dispatch`` falls through to
+  the XLA implementation on it when the caller left the implementation to the library.
+  """
 
 
 def is_fp8(dtype) -> bool:
@@ -57,11 +67,32 @@ def cast_from_f32(x: jax.Array, dtype) -> jax.Array:
   return x.astype(dtype)
 
 
-def cast_to(x: jax.Array, dtype) -> jax.Array:
-  """Any float dtype -> dtype through float32 (exact for every source dtype here)."""
+def cast_to(x: jax.Array, dtype, sanitize: bool = False) -> jax.Array:
+  """Any float dtype -> dtype through float32 (exact for every source dtype here).
+
+  With `sanitize` (SPEC §9) NaN becomes 0 and values beyond dtype's largest finite value,
+  +-inf included, become that value with their sign (`sanitize_f32`).
+  """
+  if sanitize:
+    return cast_from_f32(sanitize_f32(x.astype(F32), finite_max(dtype)), dtype)
   if x.dtype == jnp.dtype(dtype) and not is_fp8(dtype):
     return x
   return cast_from_f32(x.astype(F32), dtype)
+
+
+def finite_max(dtype) -> float:
+  """The largest finite value of a float dtype."""
+  return float(jnp.finfo(dtype).max)
+
+
+def sanitize_f32(x: jax.Array, limit: float) -> jax.Array:
+  """SPEC §9 on float32 values: NaN -> 0, values beyond +-limit (+-inf included) -> +-limit.
+
+  Values within the limit are returned unchanged, so a finite row whose cast would not
+  overflow is stored exactly as without sanitizing. Plain jnp ops: the same expression
+  runs in the XLA reference, in interpret mode and in Mosaic GPU registers.
+  """
+  return jnp.where(jnp.isnan(x), jnp.float32(0), jnp.clip(x, -limit, limit))
 
 
 def true_divide(x: jax.Array, per_row: jax.Array, interpret: bool, layout=None) -> jax.Array:
@@ -70,17 +101,30 @@ def true_divide(x: jax.Array, per_row: jax.Array, interpret: bool, layout=None) 
   On the GPU, Mosaic lowers ``arith.divf`` to ``div.full.f32`` (an approximation within
   2 ulp, as XLA:GPU and Triton do; measured on the H200: ~40% of f32 quotients off by one
   ulp). With the block's register `layout`, the quotient comes from inline PTX
-  ``div.rn.f32`` instead: correctly rounded, as PyTorch's CUDA division and numpy's.
-  In interpret mode the kernel body runs through XLA:CPU (an IEEE division), whose
-  algebraic simplifier would rewrite a division by a broadcast into a multiplication by the
-  reciprocal; an optimization barrier on the broadcast divisor prevents that.
+  ``div.rn.f32`` instead: correctly rounded and subnormal-preserving (no ``.ftz``), as
+  PyTorch's CUDA division and numpy's. In interpret mode the kernel body runs through
+  XLA:CPU, which flushes subnormal operands and results to zero and would rewrite a division
+  by a broadcast into a multiplication by the reciprocal: `exact.divide` gives the IEEE
+  quotient there.
   """
-  divisor = jnp.broadcast_to(per_row[:, None], x.shape)
   if interpret:
-    return x / lax.optimization_barrier(divisor)
+    return exact.divide(x, per_row[:, None])
+  divisor = jnp.broadcast_to(per_row[:, None], x.shape)
   if layout is None:
     return x / divisor
   return _div_rn(x, divisor, layout)
+
+
+def multiply(x: jax.Array, per_row: jax.Array, interpret: bool) -> jax.Array:
+  """``x * per_row[:, None]`` as an IEEE float32 multiplication of every element.
+
+  On the GPU a plain ``mul.f32`` (Mosaic emits no ``.ftz``: subnormals are kept). In
+  interpret mode XLA:CPU would flush subnormal operands and products to zero:
+  `exact.multiply` keeps them.
+  """
+  if interpret:
+    return exact.multiply(x, per_row[:, None])
+  return x * per_row[:, None]
 
 
 def _div_rn(x: jax.Array, y: jax.Array, layout) -> jax.Array:
@@ -178,7 +222,7 @@ def row_layout(ncols: int, *dtypes):
   """
   v = row_layout_vec(ncols, *dtypes)
   if v is None:
-    raise NotImplementedError(f"row width {ncols} is not a multiple of 32")
+    raise Unsupported(f"row width {ncols} is not a multiple of 32")
   return plgpu.Layout.TILED(
       plgpu.Tiling(((4, 32 * v), (v,))), warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1
   )
@@ -197,7 +241,7 @@ def strided_layout(shape: tuple[int, ...], *dtypes):
   while vec > 1 and (size % (128 * vec) or shape[-1] % vec):
     vec //= 2
   if size % (128 * vec) or shape[-1] % vec:
-    raise NotImplementedError(f"block {shape} does not spread over 128 threads")
+    raise Unsupported(f"block {shape} does not spread over 128 threads")
   return plgpu.Layout.WG_STRIDED(tuple(shape), vec)
 
 

@@ -67,6 +67,7 @@ BLOCK_KV = 64       # tokens per KV block
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MASKED = 1 << 30    # added to positions that must stay invisible
+CONVERT_COLS = 64   # per_token_head: columns dequantized at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,11 @@ def check_supported(buffers, q, *, page_size: int, kv_lora_rank: int) -> str | N
     return f"row widths R={R}, Rr={Rr} (the kernel needs R % 128 == 0 and Rr % 64 == 0)"
   if not (page_size % BLOCK_KV == 0 or (BLOCK_KV % page_size == 0 and page_size % 8 == 0)):
     return f"page_size {page_size} (the kernel needs 8, 16, 32 or a multiple of 64)"
+  if len(buffers) == 3 and page_size < 32:
+    # A page's scales arrive by one TMA copy into shared memory, whose destination must be
+    # 128-byte aligned: 32 float32 scales or more (seen on the H200 as a misaligned address
+    # with page_size 16).
+    return f"page_size {page_size} with per_token_head (the kernel needs 32 or a multiple of 64)"
   return None
 
 
@@ -143,7 +149,7 @@ def mla_decode(buffers, q, page_table, seq_lens, *, sm_scale: float, page_size: 
   config = config or DecodeConfig()
   reason = check_supported(buffers, q, page_size=page_size, kv_lora_rank=kv_lora_rank)
   if reason is not None:
-    raise NotImplementedError(f"mla_decode kernel: {reason}")
+    raise common.Unsupported(reason)
   quantized = len(buffers) == 3
   B, s_q, H, W = q.shape
   R = kv_lora_rank
@@ -206,7 +212,9 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
   bits = dtype.itemsize * 8
   swizzle = 128
   tile = (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
-  fp8_tile = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+  # 64-byte swizzle for the fp8 plane: its (8, 64) tiles match the 64-column chunks that
+  # are converted at a time.
+  fp8_tile = (plgpu.TilingTransform((8, CONVERT_COLS)), plgpu.SwizzleTransform(CONVERT_COLS))
   copies = 1 if page_size >= BLOCK_KV else BLOCK_KV // page_size
   rows_per_copy = min(page_size, BLOCK_KV)
   score_scale = sm_scale * LOG2E
@@ -216,7 +224,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
       *refs, p_smem = refs
     if quantized:
       (nope_ref, scale_ref, rope_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
-       q_smem, kv_smem, rope_smem, scale_smem, conv_smem, lse_smem,
+       q_smem, kv_smem, rope_smem, scale_smem, key_tile, lse_smem,
        q_bar, kv_bar, free_bar, sync_bar) = refs
     else:
       (kv_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
@@ -266,24 +274,26 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
         block = first + i
         plgpu.barrier_wait(kv_bar.at[slot])
         if quantized:
-          # Both halves of the shared converted tile are read by both warpgroups' score
-          # products: the previous block's must be done before it is overwritten.
+          # Convert the fp8 nope block exactly to q's dtype in the shared tile `key_tile`
+          # (the scale stays out: it multiplies the scores and the softmax weights below).
+          # Both warpgroups' score products read all of it: the previous block's must be
+          # done before it is overwritten, and this block's conversion (each warpgroup its
+          # half of the columns) complete before either reads it.
           sync_compute()
-          raw = kv_smem.at[slot, :, col0][...]
-          # e4m3 -> f16 is one conversion on sm_90 (and exact); e4m3 -> bf16 is not
-          # available in ptxas 12/13, so bf16 goes through f32 (also exact).
-          wide = raw.astype(jnp.float16)
-          conv_smem.at[:, col0][...] = (wide if dtype == jnp.float16
-                                        else wide.astype(F32).astype(dtype))
+          # 64-column chunks keep the temporaries at 32 registers a thread.
+          for c in range(half // CONVERT_COLS):
+            chunk = pl.ds(wg * half + c * CONVERT_COLS, CONVERT_COLS)
+            x = plgpu.load(kv_smem.at[slot, :, chunk], layout=plgpu.Layout.WGMMA)
+            # e4m3 -> bf16 has no conversion instruction on sm_90 (ptxas 12/13): through
+            # float32, exact like e4m3 -> f16.
+            key_tile.at[:, chunk][...] = x.astype(F32).astype(dtype)
           plgpu.commit_smem()
           sync_compute()
 
         def scores(s_ref):
           if quantized:
-            plgpu.wgmma(s_ref, q_smem.at[:, pl.ds(0, R)],
-                        conv_smem.transpose((1, 0)))
-            plgpu.wgmma(s_ref, q_smem.at[:, pl.ds(R, Rr)],
-                        rope_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(s_ref, q_smem.at[:, pl.ds(0, R)], key_tile.transpose((1, 0)))
+            plgpu.wgmma(s_ref, q_smem.at[:, pl.ds(R, Rr)], rope_smem.at[slot].transpose((1, 0)))
           else:
             plgpu.wgmma(s_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
           return s_ref[...]
@@ -304,9 +314,13 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
           pos = pos + penalty
         visible = pos <= limit
         if quantized:
-          col_scale = plgpu.load(scale_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-          col_scale = lax.broadcast_in_dim(col_scale, (BLOCK_M, BLOCK_KV), [1])
+          col_scale = lax.broadcast_in_dim(
+              plgpu.load(scale_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)),
+              (BLOCK_M, BLOCK_KV), [1])
           s = s * col_scale
+          # The block's raw planes are consumed (converted, rope read by the score product,
+          # scales loaded): the producer may refill the stage now.
+          plgpu.barrier_arrive(free_bar.at[slot])
         s = jnp.where(visible, s * score_scale, -jnp.inf)
         m_new = jnp.maximum(m_i, s.max(axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -315,7 +329,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
         l_i = l_i * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         pv = (p * col_scale if quantized else p).astype(dtype)
-        values = conv_smem.at[:, col0] if quantized else kv_smem.at[slot, :, col0]
+        values = key_tile.at[:, col0] if quantized else kv_smem.at[slot, :, col0]
         if interpret:
           # The interpreter takes wgmma operands from shared memory only and cannot
           # pre-initialize an accumulator: P goes through shared memory and the product
@@ -332,7 +346,8 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
             plgpu.wgmma(acc_ref, pv, values)
 
           acc = pl.run_state(product)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(free_bar.at[slot])
+        if not quantized:  # (per_token_head released its raw block after converting it)
+          plgpu.barrier_arrive(free_bar.at[slot])
         return acc, m_new, l_i
 
       acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))

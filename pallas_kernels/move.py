@@ -78,7 +78,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import common
+from pallas_kernels import common, exact
 
 _BULK_ALIGN = 16  # cp.async.bulk and TMA need 16-byte sizes, addresses and strides.
 
@@ -271,22 +271,28 @@ def _check_buffers(buffers: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     width = math.prod(b.shape[1:])
     row_bytes = width * b.dtype.itemsize
     if row_bytes % _BULK_ALIGN and width != 1:
-      raise ValueError(
+      raise common.Unsupported(
           f"buffers[{i}]: expected a row of a multiple of {_BULK_ALIGN} bytes or of one "
           f"element, got shape {b.shape} of {b.dtype} ({row_bytes} bytes a row)")
     if width == 1 and rows % _window(b.dtype):
-      raise ValueError(
+      raise common.Unsupported(
           f"buffers[{i}]: a one-element-row buffer needs a multiple of "
           f"{_window(b.dtype)} rows (16-byte windows), got {rows}")
   return buffers
 
 
 def _check_indices(tgt, src, tgt_name: str, src_name: str):
-  tgt, src = jnp.asarray(tgt), jnp.asarray(src)
+  """Both index arrays as int32 (`exact.index_to_int32`: a 64-bit index outside int32's
+  range becomes -1, never a wrapped row)."""
+  checked = []
   for name, x in ((tgt_name, tgt), (src_name, src)):
+    if not hasattr(x, "dtype"):
+      x = jnp.asarray(x)
     if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer):
       raise TypeError(
           f"{name}: expected a 1-D integer array, got shape {x.shape} of {x.dtype}")
+    checked.append(jnp.asarray(exact.index_to_int32(x)))
+  tgt, src = checked
   if tgt.shape != src.shape:
     raise ValueError(
         f"{tgt_name} and {src_name}: expected the same length, got {tgt.shape[0]} and "
@@ -297,9 +303,7 @@ def _check_indices(tgt, src, tgt_name: str, src_name: str):
 def _sanitize(tgt, src, limit: int):
   """int32 indices: skipped pairs get ``tgt = -1`` and ``src = 0`` (a harmless row)."""
   keep = (tgt >= 0) & (tgt < limit) & (src >= 0) & (src < limit)
-  # Compare before narrowing: an int64 index of 2**32 must not wrap into range.
-  return (jnp.where(keep, tgt, -1).astype(jnp.int32),
-          jnp.where(keep, src, 0).astype(jnp.int32))
+  return jnp.where(keep, tgt, -1), jnp.where(keep, src, 0)
 
 
 def _pad(tgt, src, multiple: int):
@@ -676,8 +680,8 @@ def _direct(buffers, tgt, src, *, dplan: _DirectPlan, pdl: bool, tiling: MoveTil
   A duplicated target row may mix its writers by 16-byte items (as the row kernels).
   """
   rows = buffers[0].shape[0]
-  if dplan.in_rounds or tgt.dtype != jnp.int32 or src.dtype != jnp.int32:
-    tgt, src = _sanitize(tgt, src, rows)  # compares before narrowing
+  if dplan.in_rounds:
+    tgt, src = _sanitize(tgt, src, rows)
   args = (tgt, src)
   if dplan.in_rounds:  # rounds need to know whether any source is some other pair's target
     save = _endangered(tgt, src, rows, tiling.small_t_compare)

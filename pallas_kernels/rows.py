@@ -87,7 +87,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import common
+from pallas_kernels import common, exact
 from pallas_kernels.common import F32
 
 FP8_E4M3 = jnp.dtype(jnp.float8_e4m3fn)
@@ -200,6 +200,19 @@ def _check_loc(loc) -> None:
 def _check_float(name, x) -> None:
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"{name} must be a float array, got {x.dtype}")
+  if jnp.dtype(x.dtype) not in common.STORAGE_DTYPES:
+    raise common.Unsupported(
+        f"{name}: the kernels read {', '.join(d.name for d in common.STORAGE_DTYPES)} "
+        f"inputs, got {x.dtype}")
+
+
+def _check_dst(dst_dtype) -> jnp.dtype:
+  dst = jnp.dtype(dst_dtype)
+  if dst not in common.STORAGE_DTYPES:
+    raise TypeError(
+        f"dst_dtype must be one of {', '.join(d.name for d in common.STORAGE_DTYPES)}, "
+        f"got {dst}")
+  return dst
 
 
 def _check_tokens(name, x, T, width) -> None:
@@ -216,7 +229,7 @@ def _check_buffer(name, x, dtypes) -> None:
 
 def _check_bulk(name, width, dtype) -> None:
   if (width * jnp.dtype(dtype).itemsize) % common.BULK_ALIGN:
-    raise NotImplementedError(
+    raise common.Unsupported(
         f"{name}: a row of {width} x {jnp.dtype(dtype)} is not a multiple of 16 bytes"
     )
 
@@ -227,13 +240,13 @@ def _pdl_prologue(pdl: bool, interpret: bool) -> None:
     plgpu.griddepcontrol_launch_dependents()
 
 
-def _kernel(body, *, out_type, scratch, grid, name, interpret):
+def _kernel(body, *, out_type, scratch, grid, name, interpret, grid_names=("b",)):
   return plgpu.kernel(
       body,
       out_type=out_type,
       scratch_types=scratch,
-      grid=(grid,),
-      grid_names=("b",),
+      grid=grid if isinstance(grid, tuple) else (grid,),
+      grid_names=grid_names,
       kernel_name=name,
       # Every shared-memory hand-off in these kernels is synchronized explicitly
       # (barrier_wait after bulk loads, commit_smem before bulk stores and before reading
@@ -242,6 +255,20 @@ def _kernel(body, *, out_type, scratch, grid, name, interpret):
       compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
       interpret=common.interpret_params() if interpret else None,
   )
+
+
+def store_rows(slots, rows: int, blocks=(), scalars=()) -> None:
+  """For each in-range slot r = slots[i]: bulk-store row i of every (smem block, gmem buffer)
+  pair of `blocks` to row r, and element i of every (smem vector, gmem vector) pair of
+  `scalars` (too small for a bulk copy) with a scalar store. Out-of-range slots store
+  nothing (pl.when: skipped on every backend). The caller commits the bulk group."""
+  for i, r in enumerate(slots):
+    @pl.when(common.valid_row(r, rows))
+    def _():
+      for src, dst in blocks:
+        plgpu.copy_smem_to_gmem(src.at[i], dst.at[r], commit_group=False)
+      for src, dst in scalars:
+        dst[r] = src[i]
 
 
 def _block_start(B: int, T: int):
@@ -272,11 +299,15 @@ def _stage(ref, start: int, n: int, stages: int):
 # set_rows
 
 
-def set_rows(kv, loc, nope, rope, *, pdl: bool = False, config: RowConfig | None = None):
+def set_rows(kv, loc, nope, rope, *, pdl: bool = False, config: RowConfig | None = None,
+             sanitize: bool = False):
   """Write rows ``kv[loc[i]] = concat(nope[i], rope[i])`` cast to kv.dtype, in place.
 
   fp8 storage saturates at the format's max finite value (NaN stays NaN); all casts are
   round-to-nearest-even through float32. Slots outside [0, rows) are skipped.
+  `sanitize` (SPEC §9): NaN is stored as 0 and values beyond kv.dtype's largest finite
+  value (+-inf included) as that value with their sign, in the same kernel (the row then
+  goes through registers even when no cast is needed).
   """
   config = config or tuned_config("set", int(loc.shape[0]))
   _check_buffer("kv", kv, common.STORAGE_DTYPES)
@@ -291,33 +322,35 @@ def set_rows(kv, loc, nope, rope, *, pdl: bool = False, config: RowConfig | None
   _check_tokens("rope", rope, T, Rr)
   if T == 0:
     return kv
-  loc = loc.astype(jnp.int32)
+  loc = exact.index_to_int32(loc)
   dtype = jnp.dtype(kv.dtype)
   same = (
       jnp.dtype(nope.dtype) == dtype
       and jnp.dtype(rope.dtype) == dtype
       and dtype != jnp.dtype(jnp.float8_e5m2)  # e5m2 inputs may hold inf: saturate
+      and not sanitize
   )
   for name, width, dt in (("kv", W, dtype), ("kv nope part", R, dtype),
                           ("nope", R, nope.dtype), ("rope", Rr, rope.dtype)):
     _check_bulk(name, width, dt)
-  if same and not config.set_repack:
+  registers = not same or config.set_repack
+  if registers and (common.row_layout_vec(R) is None or common.row_layout_vec(Rr) is None):
+    # No register layout for this width: cast with XLA (saturating, so the rows are
+    # final storage values), then the pure-copy kernel.
+    nope, rope = common.cast_to(nope, dtype, sanitize), common.cast_to(rope, dtype, sanitize)
+    registers = False
+  if not registers:
     B = copy_block_tokens(T, config)
     build = functools.partial(
         _set_rows_copy, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype, B=B, pdl=pdl,
         stages=stage_count(B, config.chunks), tag=config.kernel_tag,
     )
   else:
-    if common.row_layout_vec(R) is None or common.row_layout_vec(Rr) is None:
-      # No register layout for this width: cast with XLA, then the pure-copy kernel.
-      nope, rope = common.cast_to(nope, dtype), common.cast_to(rope, dtype)
-      return set_rows(kv, loc, nope, rope, pdl=pdl,
-                      config=dataclasses.replace(config, set_repack=False))
     B = reg_block_tokens(T, config)
     build = functools.partial(
         _set_rows_regs, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype,
         in_dtypes=(jnp.dtype(nope.dtype), jnp.dtype(rope.dtype)), B=B, pdl=pdl,
-        tag=config.kernel_tag,
+        tag=config.kernel_tag, sanitize=sanitize,
     )
   out = common.dispatch(
       build, kv.reshape(rows, W), loc, common.as_rows(nope), common.as_rows(rope)
@@ -364,7 +397,8 @@ def _set_rows_copy(interpret, *, T, rows, R, Rr, dtype, B, pdl, stages=1, tag=""
   return run
 
 
-def _set_rows_regs(interpret, *, T, rows, R, Rr, dtype, in_dtypes, B, pdl, tag=""):
+def _set_rows_regs(interpret, *, T, rows, R, Rr, dtype, in_dtypes, B, pdl, tag="",
+                   sanitize=False):
   Bc = common.reg_block_rows(B)
   W = R + Rr
   # Element-wise casts: strided layouts (they can store into the strided row parts).
@@ -378,13 +412,10 @@ def _set_rows_regs(interpret, *, T, rows, R, Rr, dtype, in_dtypes, B, pdl, tag="
     plgpu.copy_gmem_to_smem(r_ref.at[pl.ds(t0, B)], rsm.at[pl.ds(0, B)], bar, **_PROMISE)
     rs = [loc_ref[t0 + i] for i in range(B)]
     plgpu.barrier_wait(bar)
-    osm.at[:, pl.ds(0, R)][...] = common.cast_to(plgpu.load(nsm, layout=ln), dtype)
-    osm.at[:, pl.ds(R, Rr)][...] = common.cast_to(plgpu.load(rsm, layout=lr), dtype)
+    osm.at[:, pl.ds(0, R)][...] = common.cast_to(plgpu.load(nsm, layout=ln), dtype, sanitize)
+    osm.at[:, pl.ds(R, Rr)][...] = common.cast_to(plgpu.load(rsm, layout=lr), dtype, sanitize)
     plgpu.commit_smem()
-    for i, r in enumerate(rs):
-      @pl.when(common.valid_row(r, rows))
-      def _():
-        plgpu.copy_smem_to_gmem(osm.at[i], kv_ref.at[r], commit_group=False)
+    store_rows(rs, rows, [(osm, kv_ref)])
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -408,13 +439,14 @@ def _set_rows_regs(interpret, *, T, rows, R, Rr, dtype, in_dtypes, B, pdl, tag="
 
 def set_rows_per_token_head(
     nope_buf, scale_buf, rope_buf, loc, nope, rope, *, pdl: bool = False,
-    config: RowConfig | None = None,
+    config: RowConfig | None = None, sanitize: bool = False,
 ):
   """Quantize token rows (SPEC §3) and write them to the three buffers, in one kernel.
 
   Per row, in float32: amax = max|nope|; scale = max(amax, 1e-26) * float32(1/448);
   q = clip(nope / scale, -448, 448) -> float8_e4m3fn; rope_stored = (rope / scale) ->
   rope_buf.dtype; true IEEE divisions, round-to-nearest-even; NaN propagates.
+  `sanitize` (SPEC §9): see `quantize_block`.
   """
   config = config or tuned_config("set_per_token_head", int(loc.shape[0]))
   _check_buffer("nope_buf", nope_buf, (FP8_E4M3,))
@@ -435,7 +467,7 @@ def set_rows_per_token_head(
   if T == 0:
     return nope_buf, scale_buf, rope_buf
   if common.row_layout_vec(R) is None or common.row_layout_vec(Rr) is None:
-    raise NotImplementedError(
+    raise common.Unsupported(
         f"per_token_head kernel needs R and Rr multiples of 32, got R={R}, Rr={Rr}"
     )
   for name, width, dt in (("nope_buf", R, FP8_E4M3), ("rope_buf", Rr, rope_buf.dtype),
@@ -445,17 +477,44 @@ def set_rows_per_token_head(
   build = functools.partial(
       _set_pth, T=T, rows=rows, R=R, Rr=Rr, rope_dtype=jnp.dtype(rope_buf.dtype),
       in_dtypes=(jnp.dtype(nope.dtype), jnp.dtype(rope.dtype)), B=B, pdl=pdl,
-      tag=config.kernel_tag,
+      tag=config.kernel_tag, sanitize=sanitize,
   )
   q, s, r = common.dispatch(
       build, nope_buf.reshape(rows, R), scale_buf.reshape(rows), rope_buf.reshape(rows, Rr),
-      loc.astype(jnp.int32), common.as_rows(nope), common.as_rows(rope),
+      exact.index_to_int32(loc), common.as_rows(nope), common.as_rows(rope),
   )
   return q.reshape(rows, 1, R), s.reshape(rows, 1, 1), r.reshape(rows, 1, Rr)
 
 
-def _set_pth(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, B, pdl, tag=""):
+def quantize_block(x, y, *, ln, lr, rope_dtype, interpret, sanitize_limits=None):
+  """SPEC §3 on register blocks, shared by every per_token_head write kernel.
+
+  Args:
+    x: (rows, R) float32 nope values in the row layout `ln` (`common.row_layout`).
+    y: (rows, Rr) float32 rope values in the row layout `lr`.
+    sanitize_limits: None, or (x_limit, y_limit) for SPEC §9: NaN -> 0 and +-inf ->
+      +-limit (the largest finite values of the input dtypes) before quantizing, and a
+      rope quotient beyond rope_dtype's range clamped to its largest finite value.
+  Returns:
+    (q (rows, R) float8_e4m3fn, rope_stored (rows, Rr) rope_dtype, scale (rows,) float32).
+  """
+  if sanitize_limits is not None:
+    x = common.sanitize_f32(x, sanitize_limits[0])
+    y = common.sanitize_f32(y, sanitize_limits[1])
+  amax = jnp.max(jnp.abs(x), axis=1)
+  scale = jnp.maximum(amax, AMAX_FLOOR) * INV_FP8_MAX
+  q = common.cast_from_f32(common.true_divide(x, scale, interpret, ln), FP8_E4M3)
+  rope = common.true_divide(y, scale, interpret, lr)
+  if sanitize_limits is not None:
+    limit = common.finite_max(rope_dtype)
+    rope = jnp.clip(rope, -limit, limit)
+  return q, common.cast_from_f32(rope, rope_dtype), scale
+
+
+def _set_pth(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, B, pdl, tag="",
+             sanitize=False):
   Bc = common.reg_block_rows(B)
+  limits = tuple(map(common.finite_max, in_dtypes)) if sanitize else None
   ln = common.row_layout(R, in_dtypes[0], FP8_E4M3)
   lr = common.row_layout(Rr, in_dtypes[1], rope_dtype)
 
@@ -466,20 +525,11 @@ def _set_pth(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, B, pdl, tag=""
     plgpu.copy_gmem_to_smem(r_ref.at[pl.ds(t0, B)], rsm.at[pl.ds(0, B)], bar, **_PROMISE)
     rs = [loc_ref[t0 + i] for i in range(B)]
     plgpu.barrier_wait(bar)
-    x = plgpu.load(nsm, layout=ln).astype(F32)
-    amax = jnp.max(jnp.abs(x), axis=1)
-    scale = jnp.maximum(amax, AMAX_FLOOR) * INV_FP8_MAX
-    qsm[...] = common.cast_from_f32(common.true_divide(x, scale, interpret, ln), FP8_E4M3)
-    y = plgpu.load(rsm, layout=lr).astype(F32)
-    rosm[...] = common.cast_from_f32(common.true_divide(y, scale, interpret, lr), rope_dtype)
-    ssm[...] = scale
+    qsm[...], rosm[...], ssm[...] = quantize_block(
+        plgpu.load(nsm, layout=ln).astype(F32), plgpu.load(rsm, layout=lr).astype(F32),
+        ln=ln, lr=lr, rope_dtype=rope_dtype, interpret=interpret, sanitize_limits=limits)
     plgpu.commit_smem()  # fence for the bulk stores + warpgroup barrier for ssm reads
-    for i, r in enumerate(rs):
-      @pl.when(common.valid_row(r, rows))
-      def _():
-        plgpu.copy_smem_to_gmem(qsm.at[i], qb_ref.at[r], commit_group=False)
-        plgpu.copy_smem_to_gmem(rosm.at[i], rb_ref.at[r], commit_group=False)
-        sb_ref[r] = ssm[i]
+    store_rows(rs, rows, [(qsm, qb_ref), (rosm, rb_ref)], [(ssm, sb_ref)])
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -517,9 +567,7 @@ def get_rows(kv, loc, *, kv_lora_rank: int, dst_dtype, pdl: bool = False,
   Rr = W - R
   if not 0 < R < W:
     raise ValueError(f"kv_lora_rank must be in (0, {W}), got {kv_lora_rank}")
-  dst = jnp.dtype(dst_dtype)
-  if not jnp.issubdtype(dst, jnp.floating):
-    raise TypeError(f"dst_dtype must be a float dtype, got {dst}")
+  dst = _check_dst(dst_dtype)
   T = loc.shape[0]
   if T == 0:
     return jnp.zeros((0, 1, R), dst), jnp.zeros((0, 1, Rr), dst)
@@ -528,7 +576,12 @@ def get_rows(kv, loc, *, kv_lora_rank: int, dst_dtype, pdl: bool = False,
                           ("nope", R, dst), ("rope", Rr, dst)):
     _check_bulk(name, width, dt)
   same = dst == dtype and dtype != jnp.dtype(jnp.float8_e5m2)
-  if same and config.get_split:
+  registers = not (same and config.get_split)
+  # No register layout for this width: gather the stored rows with the pure-copy kernel,
+  # then convert them with XLA.
+  convert_after = registers and (
+      common.row_layout_vec(R) is None or common.row_layout_vec(Rr) is None)
+  if not registers or convert_after:
     B = copy_block_tokens(T, config)
     build = functools.partial(
         _get_rows_copy, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype, B=B, pdl=pdl,
@@ -536,19 +589,18 @@ def get_rows(kv, loc, *, kv_lora_rank: int, dst_dtype, pdl: bool = False,
         tag=config.kernel_tag,
     )
   else:
-    if common.row_layout_vec(R) is None or common.row_layout_vec(Rr) is None:
-      nope, rope = get_rows(kv, loc, kv_lora_rank=R, dst_dtype=dtype, pdl=pdl,
-                            config=dataclasses.replace(config, get_split=True))
-      return common.cast_to(nope, dst), common.cast_to(rope, dst)
     B = reg_block_tokens(T, config)
     build = functools.partial(
         _get_rows_regs, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype, dst=dst, B=B, pdl=pdl,
         prefetch=config.loc_prefetch, tag=config.kernel_tag,
     )
   nope, rope = common.dispatch(
-      build, kv.reshape(rows, W), loc.astype(jnp.int32), common.zeros_row(W, dtype)
+      build, kv.reshape(rows, W), exact.index_to_int32(loc), common.zeros_row(W, dtype)
   )
-  return nope.reshape(T, 1, R), rope.reshape(T, 1, Rr)
+  nope, rope = nope.reshape(T, 1, R), rope.reshape(T, 1, Rr)
+  if convert_after:
+    return common.cast_to(nope, dst), common.cast_to(rope, dst)
+  return nope, rope
 
 
 def _load_row_or_zeros(src, zeros, dst, bar, r, rows):
@@ -658,14 +710,12 @@ def get_rows_per_token_head(
         f"buffers disagree: nope_buf {nope_buf.shape}, scale_buf {scale_buf.shape} "
         f"(expected {(rows, 1, 1)}), rope_buf {rope_buf.shape}"
     )
-  dst = jnp.dtype(dst_dtype)
-  if not jnp.issubdtype(dst, jnp.floating):
-    raise TypeError(f"dst_dtype must be a float dtype, got {dst}")
+  dst = _check_dst(dst_dtype)
   T = loc.shape[0]
   if T == 0:
     return jnp.zeros((0, 1, R), dst), jnp.zeros((0, 1, Rr), dst)
   if common.row_layout_vec(R) is None or common.row_layout_vec(Rr) is None:
-    raise NotImplementedError(
+    raise common.Unsupported(
         f"per_token_head kernel needs R and Rr multiples of 32, got R={R}, Rr={Rr}"
     )
   rope_dtype = jnp.dtype(rope_buf.dtype)
@@ -679,7 +729,7 @@ def get_rows_per_token_head(
   )
   nope, rope = common.dispatch(
       build, nope_buf.reshape(rows, R), scale_buf.reshape(rows), rope_buf.reshape(rows, Rr),
-      loc.astype(jnp.int32), common.zeros_row(R, FP8_E4M3), common.zeros_row(Rr, rope_dtype),
+      exact.index_to_int32(loc), common.zeros_row(R, FP8_E4M3), common.zeros_row(Rr, rope_dtype),
   )
   return nope.reshape(T, 1, R), rope.reshape(T, 1, Rr)
 
@@ -709,9 +759,9 @@ def _get_pth(interpret, *, T, rows, R, Rr, rope_dtype, dst, B, pdl, prefetch=Fal
     plgpu.barrier_wait(bar)
     plgpu.commit_smem()  # warpgroup barrier: every thread's ssm stores are visible
     scale = plgpu.load(ssm, layout=ln.reduce(1))
-    x = plgpu.load(qsm, layout=ln).astype(F32) * scale[:, None]
+    x = common.multiply(plgpu.load(qsm, layout=ln).astype(F32), scale, interpret)
     nsm[...] = common.cast_from_f32(x, dst)
-    y = plgpu.load(rsm, layout=lr).astype(F32) * scale[:, None]
+    y = common.multiply(plgpu.load(rsm, layout=lr).astype(F32), scale, interpret)
     orsm[...] = common.cast_from_f32(y, dst)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(nsm.at[pl.ds(0, B)], on_ref.at[pl.ds(t0, B)], commit_group=False)

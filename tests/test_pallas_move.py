@@ -16,6 +16,7 @@ import pytest
 
 import jax_mla_cache as mc
 
+import pallas_kernels
 from pallas_kernels.move import MoveTiling, move_pages, move_rows
 
 TWO_PASS = MoveTiling(token_path="two_pass")
@@ -215,14 +216,15 @@ def test_move_rows_rejects_mismatched_rows(small_buffers):
 
 
 def test_move_rows_rejects_scale_rows_not_multiple_of_four():
-  # A one-element-row buffer is read in aligned 16-byte windows.
+  # A one-element-row buffer is read in aligned 16-byte windows: a kernel limit.
   scale = np.zeros((258, 1, 1), np.float32)
-  with pytest.raises(ValueError, match="multiple of 4 rows"):
+  with pytest.raises(pallas_kernels.Unsupported, match="multiple of 4 rows"):
     move_rows([scale], np.zeros(1, np.int32), np.zeros(1, np.int32))
 
 
-def test_dispatch_moves_odd_row_quantized_cache_through_xla(rng):
-  # rows = 206: not a multiple of 4, so per_token_head moves take the XLA path (same result).
+def test_dispatch_moves_odd_row_quantized_cache_through_xla(rng, monkeypatch):
+  # rows = 206: not a multiple of 4, which the move kernels do not cover: the default
+  # implementation falls through to XLA (same result, a warning); explicit "pallas" raises.
   cfg = mc.SMALL.replace(size=206 - mc.SMALL.page_size, dtype=jnp.float8_e4m3fn,
                          quant_method="per_token_head", layer_num=1)
   assert cfg.rows % 4
@@ -234,7 +236,12 @@ def test_dispatch_moves_odd_row_quantized_cache_through_xla(rng):
                                implementation="xla")
   expected = jax.device_get(mc.move_kv_cache(jax.tree.map(jnp.copy, cache), loc[::-1], loc,
                                              implementation="xla"))
-  got = jax.device_get(mc.move_kv_cache(cache, loc[::-1], loc, implementation="pallas"))
+  with pytest.raises(NotImplementedError, match=r"move_kv_cache: .*'pallas'.*multiple of 4 rows"):
+    mc.move_kv_cache(cache, loc[::-1], loc, implementation="pallas")
+  monkeypatch.setattr(mc.dispatch, "_default_implementation", lambda: "pallas")
+  monkeypatch.setattr(mc.dispatch, "_WARNED", set())
+  with pytest.warns(mc.dispatch.FallbackWarning, match="multiple of 4 rows"):
+    got = jax.device_get(mc.move_kv_cache(cache, loc[::-1], loc))
   assert_bits_equal(jax.tree.leaves(got), jax.tree.leaves(expected))
 
 

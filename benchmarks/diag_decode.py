@@ -1,0 +1,55 @@
+"""The decode kernel's time per storage mode and stage count, side by side (device time
+from a profiler trace, as bench.py), default B=64, s_q=1, H=16, context 4096.
+
+    python benchmarks/diag_decode.py [--shape B,s_q,H,ctx] [--only NAME]
+"""
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_mla_cache as mc
+from jax_mla_cache import bench
+from pallas_kernels import mla_decode as kernel
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--shape", default="64,1,16,4096")
+  parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--only", default=None, help="run only the variant of this name")
+  args = parser.parse_args()
+  B, s_q, H, ctx = map(int, args.shape.split(","))
+  rng = np.random.default_rng(0)
+  base = mc.DEEPSEEK_V3.replace(layer_num=1)
+  pages = ctx // base.page_size
+  table = jnp.asarray((rng.permutation(B * pages) + 1).reshape(B, pages).astype(np.int32))
+  lens = jnp.full((B,), ctx, jnp.int32)
+  q = jnp.asarray(rng.standard_normal((B, s_q, H, 576)) * 0.1, jnp.bfloat16)
+  variants = [("bf16", False, kernel.DecodeConfig()),
+              ("pth", True, kernel.DecodeConfig())]
+  caches = {}
+  if args.only:
+    variants = [v for v in variants if v[0] == args.only]
+  for name, quant, config in variants:
+    cfg = (base.replace(dtype=jnp.float8_e4m3fn, quant_method="per_token_head") if quant
+           else base).replace(size=B * pages * base.page_size)
+    if quant not in caches:
+      caches[quant] = bench.decode_cache(cfg)
+    layer = caches[quant].layer(0)
+    f = jax.jit(lambda layer, q, t, n, config=config: kernel.mla_decode(
+        layer, q, t, n, sm_scale=0.07, page_size=cfg.page_size, kv_lora_rank=512, config=config))
+    bd = {}
+    us, _, method = bench.time_per_call(lambda st: (*st[:4], f(*st[:4])),
+                                        (layer, q, table, lens, None), args.iters, bd)
+    nbytes = B * ctx * cfg.row_bytes
+    kern = {k: v for k, v in bd.items() if "mla_decode" in k}
+    print(f"{name:20s} {us:9.2f} us  {nbytes / us / 1e3:7.1f} GB/s  kernels: "
+          + ", ".join(f"{k[:40]} {v:.1f}" for k, v in kern.items()), flush=True)
+
+
+if __name__ == "__main__":
+  main()
