@@ -35,9 +35,9 @@ same attention as Hugging Face's de-interleaved `rope_interleave`); the softmax 
 
 The decode step's two cache calls:
 
-* the latent write: `rope_set_mla_kv_buffer` here is SPEC §8's fused RoPE + query assembly +
-  latent write as its unfused composition (`apply_rope` + `set_mla_kv_buffer` + concatenate),
-  with the fused op's exact signature: the seam for the fused kernel being built elsewhere.
+* the latent write: `jax_mla_cache.rope_set_mla_kv_buffer` (SPEC §8: RoPE of q_rope and
+  k_rope, the row `[c_kv | rope(k_rope)]` written at the step's slots, and the absorbed query
+  `[q_nope @ W_UK | rope(q_rope)]` assembled; one Mosaic GPU kernel on sm_90+).
 * the attention (SPEC §7): `attention="mla_decode"` (default) calls `jax_mla_cache.mla_decode`,
   which reads the cache in place (the Mosaic GPU kernel on sm_90+); `attention="gather"` runs
   `gather_mla_decode`, the same semantics through `get_mla_kv_buffer` of every context row
@@ -85,6 +85,7 @@ import numpy as np
 
 from jax_mla_cache import dispatch
 from jax_mla_cache.attention import mla_decode
+from jax_mla_cache.rope_write import rope_set_mla_kv_buffer
 from jax_mla_cache.config import MLACacheConfig
 from jax_mla_cache.models.mla_demo import rms_norm, token_slots
 from jax_mla_cache.rope import apply_rope, cos_sin_cache_from_hf_config, deepseek_softmax_scale
@@ -549,30 +550,7 @@ def _logits(params: DeepseekParams, x: jax.Array) -> jax.Array:
   return _dot("...d,dv->...v", h, params.lm_head, params.dtype)
 
 
-# ----------------------------------------------------------------- the two seams
-def rope_set_mla_kv_buffer(
-    cache: MLAKVCache, layer_id: int, loc: jax.Array, positions: jax.Array, q_nope: jax.Array,
-    q_rope: jax.Array, k_nope: jax.Array, k_rope: jax.Array, cos_sin_cache: jax.Array, *,
-    is_neox: bool = False, q_out_dtype: Any = None, implementation: dispatch.Implementation = None,
-) -> tuple[MLAKVCache, jax.Array]:
-  """SPEC §8's fused op as its unfused composition (the seam until the fused op lands).
-
-  Args:
-    loc: (T,) int cache rows; positions: (T,) int; q_nope: (T, H, R) (absorbed);
-    q_rope: (T, H, Rr), k_nope: (T, 1, R), k_rope: (T, 1, Rr) unrotated;
-    cos_sin_cache: (max_pos, Rr) float32 [cos | sin].
-  Returns:
-    (the cache with `[k_nope | rope(k_rope)]` written at `loc` by `set_mla_kv_buffer`,
-    q_out (T, H, R + Rr) = `[q_nope | rope(q_rope)]` in `q_out_dtype` (default q_rope.dtype)).
-  """
-  k_rope = apply_rope(k_rope, positions, cos_sin_cache, is_neox=is_neox)
-  cache = dispatch.set_mla_kv_buffer(cache, layer_id, loc, k_nope, k_rope,
-                                     implementation=implementation)
-  q_out_dtype = q_rope.dtype if q_out_dtype is None else q_out_dtype
-  q_rope = apply_rope(q_rope, positions, cos_sin_cache, is_neox=is_neox)
-  return cache, jnp.concatenate([q_nope.astype(F32), q_rope], axis=-1).astype(q_out_dtype)
-
-
+# ----------------------------------------------------------------- decode attention
 def gather_mla_decode(
     cache: MLAKVCache, layer_id: int, q: jax.Array, page_table: jax.Array, seq_lens: jax.Array,
     *, sm_scale: float, implementation: dispatch.Implementation = None,
@@ -737,12 +715,12 @@ def _decode_layer(
   h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
   q_nope, q_rope, c_kv, k_rope = _project(w, h, c, dtype)
   q_latent = _dot("bhd,hdr->bhr", q_nope, w.w_uk, dtype)                       # absorbed: (B, H, R)
-  # Seam: the fused RoPE + query assembly + latent write (SPEC §8).
+  # The fused RoPE + query assembly + latent write (SPEC §8).
   cache, q = rope_set_mla_kv_buffer(
       cache, layer_id, write_loc, positions, q_latent, q_rope, c_kv[:, None], k_rope[:, None],
       params.cos_sin_cache, q_out_dtype=attention_q_dtype(cache.config),
       implementation=implementation)
-  # Seam: the paged decode attention (SPEC §7).
+  # The paged decode attention (SPEC §7).
   out, _ = _decode_attention(attention)(
       cache, layer_id, q[:, None], page_table, positions + 1, sm_scale=c.softmax_scale,
       implementation=implementation)
