@@ -526,3 +526,22 @@ def test_demo_shaped_model_path_on_a_small_config():
                               "mla_decode", 1)
   chex.assert_shape(result["generated"], (3, 3))
   assert result["cache_share"] > 0
+
+
+@pytest.mark.parametrize("cache_name", ["bf16", "fp8_per_token_head"])
+def test_decode_step_lowers_for_cuda_with_the_kernels(cache_name):
+  """The decode step of the DeepSeek-V3-shaped model (128 heads, 7168 hidden, one MoE layer)
+  lowers for CUDA on this CPU host with implementation="pallas": the fused write and
+  mla_decode kernels take the model's shapes (they raise at trace time when they don't)."""
+  config = ds.deepseek_v3_shaped(num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2,
+                                 n_group=1, topk_group=1)
+  config = dataclasses.replace(config, vocab_size=1024, max_position_embeddings=4096)
+  p = jax.eval_shape(lambda: ds.random_params(config, max_position=4096))
+  p = dataclasses.replace(p, cos_sin_cache=jax.ShapeDtypeStruct((4096, 64), jnp.float32))
+  cfg = ds.cache_config(config, size=64 * 64, page_size=64, **CACHES[cache_name])
+  B = 8
+  args = (p, mc.cache_spec(cfg), jax.ShapeDtypeStruct((B,), jnp.int32),
+          jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, 8), jnp.int32))
+  text = ds.decode_step.trace(*args, implementation="pallas").lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
