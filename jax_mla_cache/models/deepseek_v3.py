@@ -84,7 +84,7 @@ import ml_dtypes
 import numpy as np
 
 from jax_mla_cache import dispatch
-from jax_mla_cache.attention import mla_decode
+from jax_mla_cache.attention import mla_decode, mla_decode_reference, positions_rows
 from jax_mla_cache.rope_write import rope_set_mla_kv_buffer
 from jax_mla_cache.config import MLACacheConfig
 from jax_mla_cache.models.mla_demo import rms_norm, token_slots
@@ -557,8 +557,10 @@ def gather_mla_decode(
 ) -> tuple[jax.Array, jax.Array]:
   """SPEC §7's paged MLA decode attention on the gather path (`attention="gather"`).
 
-  Gathers the P * page_size rows of each sequence through the page table with
-  `get_mla_kv_buffer` (dequantized to float32) and runs a masked float32 softmax.
+  Copies the P * page_size rows of each sequence out of the cache through the page table with
+  `get_mla_kv_buffer` (dequantized to float32; the Pallas gather kernel on sm_90+), then runs
+  `mla_decode_reference`'s masked float32 softmax over that copy, laid out as contiguous
+  pages (a page whose id is outside the cache stays masked out).
 
   Args:
     cache: the cache (not donated).
@@ -570,45 +572,24 @@ def gather_mla_decode(
   Returns:
     (out (B, s_q, H, R) in q.dtype, lse (B, s_q, H) float32 natural log); a query that sees
     no position gets out 0 and lse -inf.
-
-  Equivalent plain code, sequence b, query j (plain mode; per_token_head dequantizes)::
-
-      visible = positions 0 .. seq_lens[b] - s_q + j whose page is in [0, rows // page_size)
-      k = cache rows of those positions (R + Rr values); v = k[:, :R]
-      s = sm_scale * q[b, j] @ k.T; out = softmax(s) @ v; lse = logsumexp(s)
   """
   cfg = cache.config
   B, s_q, H, width = q.shape
   if width != cfg.kv_cache_dim:
-    raise ValueError(f"mla_decode: q must have shape (B, s_q, H, {cfg.kv_cache_dim}), got "
-                     f"{tuple(q.shape)}")
-  if page_table.ndim != 2 or page_table.shape[0] != B:
-    raise ValueError(f"mla_decode: page_table must have shape ({B}, P), got "
-                     f"{tuple(page_table.shape)}")
-  if seq_lens.shape != (B,):
-    raise ValueError(f"mla_decode: seq_lens must have shape ({B},), got {tuple(seq_lens.shape)}")
-  R, ps = cfg.kv_lora_rank, cfg.page_size
-  C = page_table.shape[1] * ps
-  position = jnp.arange(C, dtype=jnp.int32)
-  pages = page_table.astype(jnp.int32)[:, position // ps]                           # (B, C)
-  page_ok = (pages >= 0) & (pages < cfg.rows // ps)
-  loc = jnp.where(page_ok, pages * ps + position % ps, -1)
-  nope, rope = dispatch.get_mla_kv_buffer(cache, layer_id, loc.reshape(B * C), F32,
+    raise ValueError(f"gather_mla_decode: q must have shape (B, s_q, H, {cfg.kv_cache_dim}), "
+                     f"got {tuple(q.shape)}")
+  if page_table.ndim != 2 or page_table.shape[0] != B or seq_lens.shape != (B,):
+    raise ValueError(f"gather_mla_decode: page_table and seq_lens must have shapes ({B}, P) "
+                     f"and ({B},), got {tuple(page_table.shape)} and {tuple(seq_lens.shape)}")
+  P, ps = page_table.shape[1], cfg.page_size
+  rows, _ = positions_rows(page_table, ps, cfg.rows)                              # (B, P * ps)
+  nope, rope = dispatch.get_mla_kv_buffer(cache, layer_id, rows.reshape(-1), F32,
                                           implementation=implementation)
-  k = jnp.concatenate([nope, rope], axis=-1).reshape(B, C, R + cfg.qk_rope_head_dim)
-  s = sm_scale * jnp.einsum("bqhd,bcd->bqhc", q.astype(F32), k,
-                            precision=jax.lax.Precision.HIGHEST)
-  last = jnp.minimum(seq_lens.astype(jnp.int32), C)[:, None] - s_q + jnp.arange(s_q)  # (B, s_q)
-  visible = (position[None, None, :] <= last[:, :, None]) & page_ok[:, None, :]      # (B, s_q, C)
-  s = jnp.where(visible[:, :, None, :], s, -jnp.inf)
-  any_visible = visible.any(-1)[:, :, None]                                          # (B, s_q, 1)
-  m = jnp.where(any_visible, s.max(-1), 0.0)
-  p = jnp.exp(s - m[..., None])
-  total = p.sum(-1)
-  out = jnp.einsum("bqhc,bcr->bqhr", p, k[..., :R], precision=jax.lax.Precision.HIGHEST)
-  out = jnp.where(any_visible[..., None], out / jnp.maximum(total, 1e-30)[..., None], 0.0)
-  lse = jnp.where(any_visible, m + jnp.log(total), -jnp.inf)
-  return out.astype(q.dtype), lse
+  copy = jnp.concatenate([nope, rope], axis=-1)                          # (B * P * ps, 1, R+Rr)
+  in_cache = (page_table >= 0) & (page_table < cfg.rows // ps)
+  copy_pages = jnp.where(in_cache, jnp.arange(B * P, dtype=jnp.int32).reshape(B, P), -1)
+  return mla_decode_reference((copy,), q, copy_pages, seq_lens, sm_scale=sm_scale,
+                              page_size=ps, kv_lora_rank=cfg.kv_lora_rank)
 
 
 def _decode_attention(attention: str):
