@@ -57,8 +57,13 @@ def _parse(argv: list[str], on_gpu: bool) -> argparse.Namespace:
   parser.add_argument("--attention", choices=("mla_decode", "gather"), default="mla_decode",
                       help="decode attention: mla_decode reads the cache in place; gather "
                            "copies every context row out first (get_mla_kv_buffer)")
+  parser.add_argument("--write", choices=("rope_set", "set"), default="rope_set",
+                      help="decode write: rope_set fuses both RoPEs, the latent write and the "
+                           "query assembly into one launch; set keeps them separate "
+                           "(with --attention gather: set)")
   parser.add_argument("--compare-attention", action=argparse.BooleanOptionalAction,
-                      default=on_gpu, help="also time a decode step with the other attention")
+                      default=on_gpu,
+                      help="also time a decode step with the other attention and write")
   args = parser.parse_args(argv)
   for name in ("layers", "steps", "batch", "prompt_len", "op_iters"):
     if getattr(args, name) < 1:
@@ -117,19 +122,21 @@ def time_cache_ops(
 
 def time_decode_steps(params, cache, tokens, positions, page_table, implementation, iters: int
                       ) -> tuple[dict[str, float], mc.MLAKVCache]:
-  """Wall-clock milliseconds per decode step with each attention ("mla_decode", "gather"),
-  repeating the last step (same tokens and slots) after a warm-up call; the cache is
-  donated through the steps and handed back."""
+  """Wall-clock milliseconds per decode step for each (attention, write): mla_decode after
+  the fused write, mla_decode after the separate write, gather; repeating the last step
+  (same tokens and slots) after a warm-up call. The cache is donated through the steps and
+  handed back."""
   result = {}
-  for attention in ("mla_decode", "gather"):
-    step = functools.partial(mla_demo.decode, implementation=implementation, attention=attention)
+  for attention, write in (("mla_decode", "rope_set"), ("mla_decode", "set"), ("gather", "set")):
+    step = functools.partial(mla_demo.decode, implementation=implementation, attention=attention,
+                             write=write)
     logits, cache = step(params, cache, tokens, positions, page_table)
     logits.block_until_ready()
     t0 = time.perf_counter()
     for _ in range(iters):
       logits, cache = step(params, cache, tokens, positions, page_table)
     logits.block_until_ready()
-    result[attention] = (time.perf_counter() - t0) / iters * 1e3
+    result[f"{attention} attention, {write} write"] = (time.perf_counter() - t0) / iters * 1e3
   return result, cache
 
 
@@ -166,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       params, cache, prompt, lengths, page_table, implementation=implementation).compile()
   decode = mla_demo.decode.lower(
       params, cache, prompt[:, 0], lengths, page_table, implementation=implementation,
-      attention=args.attention).compile()
+      attention=args.attention, write=args.write).compile()
   compile_s = time.perf_counter() - t0
   print(f"  set-up {setup_s:.1f} s, compile {compile_s:.1f} s", flush=True)
 
@@ -199,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       page_table, jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C)),
       cache_cfg.page_size)).reshape(B * C)
   op_us, method, cache = time_cache_ops(cache, write_loc, read_loc, implementation, args.op_iters)
-  step_ms = {args.attention: decode_s / steps * 1e3}
+  write = args.write if args.attention == "mla_decode" else "set"
+  step_ms = {f"{args.attention} attention, {write} write": decode_s / steps * 1e3}
   if args.compare_attention:
     step_ms, cache = time_decode_steps(params, cache, tokens, positions[-1], page_table,
                                        implementation, iters=max(3, args.op_iters // 5))
@@ -216,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       "set_mla_kv_buffer_us": op_us["set_mla_kv_buffer"],
       "get_mla_kv_buffer_us": op_us["get_mla_kv_buffer"],
       "op_timing": method,
-      "attention": args.attention,
+      "attention": f"{args.attention} attention, {write} write",
       "decode_step_ms": step_ms,
       "cache_bytes": cache_cfg.kv_size_bytes,
       "context_bytes": context_tokens * cache_cfg.row_bytes * cache_cfg.layer_num,
@@ -243,8 +251,8 @@ def _print_table(r: dict[str, Any], batch: int, context: int, cfg: mc.MLACacheCo
       ("cache ops implementation", r["implementation"]),
       ("prefill", f"{_rate(r['prefill_tokens_per_s'])} tokens/s"),
       ("decode", f"{_rate(r['decode_tokens_per_s'])} tokens/s ({r['decode_ms_per_step']:.2f} ms/step, "
-                 f"batch {r['batch']}, {r['layers']} layers, attention {r['attention']})"),
-      *((f"decode step, {name} attention", f"{ms:.2f} ms (wall clock, repeated step)")
+                 f"batch {r['batch']}, {r['layers']} layers, {r['attention']})"),
+      *((f"decode step, {name}", f"{ms:.2f} ms (wall clock, repeated step)")
         for name, ms in r["decode_step_ms"].items() if len(r["decode_step_ms"]) > 1),
       (f"set_mla_kv_buffer, {batch} rows", f"{r['set_mla_kv_buffer_us']:,.1f} us/call"),
       (f"get_mla_kv_buffer, {batch * context} rows", f"{r['get_mla_kv_buffer_us']:,.1f} us/call"),

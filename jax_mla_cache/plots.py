@@ -35,6 +35,8 @@ OP_TITLES = {
     "offload_h2d": "load_cpu_copy (host -> device)",
     "rope_set": "rope_set_mla_kv_buffer (RoPE + q_out + write), bf16",
     "rope_set_pth": "rope_set_mla_kv_buffer, per_token_head fp8",
+    "mla_decode": "mla_decode (cache bytes read / time), bf16",
+    "mla_decode_pth": "mla_decode, per_token_head fp8",
 }
 IMPL_STYLES = {"pallas": dict(color="C0", marker="o"), "xla": dict(color="C1", marker="s"),
                "unfused": dict(color="C2", marker="^")}
@@ -102,20 +104,25 @@ def plot_results(results: dict[str, Any], path: str | None = None) -> Figure:
       _bars(ax, results, op, op_records)
       continue
     layer_counts = sorted({r.get("layers", 1) for r in op_records})
-    head_counts = sorted({r["H"] for r in op_records if r.get("H") is not None}) or [None]
+    # Query shapes (H; and B, s_q for decode attention): one line each, T on the x axis.
+    shape_of = lambda r: (r.get("H") or 0, r.get("B") or 0, r.get("s_q") or 0)
+    shapes = sorted({shape_of(r) for r in op_records})
     for impl in sorted({r["impl"] for r in op_records}):
       for layers in layer_counts:
-        for k, heads in enumerate(head_counts):
+        for k, shape in enumerate(shapes):
           pts = sorted((r["T"], r["gbps"]) for r in op_records
                        if r["impl"] == impl and r.get("layers", 1) == layers
-                       and r.get("H") == heads)
+                       and shape_of(r) == shape)
           if not pts:
             continue
           label = impl if len(layer_counts) == 1 else f"{impl}, {layers} layers"
           style = dict(IMPL_STYLES.get(impl, {}))
-          if heads is not None:
-            label += f", H={heads}"
-            style["linestyle"] = ("-", ":", "-.")[k % 3]
+          heads, batch, s_q = shape
+          if heads:
+            label += f", H={heads}" + (f" B={batch} s_q={s_q}" if batch else "")
+            style["linestyle"] = ("-", ":", "-.", "--")[k % 4]
+          if len(pts) == 1:
+            style["marker"] = style.get("marker") or "o"
           ax.plot(*zip(*pts), label=label, **style)
     ceiling, ceiling_label = _ceiling(results, op)
     if ceiling:

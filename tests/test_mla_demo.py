@@ -45,13 +45,16 @@ LOGIT_TOL = 1e-3
 FP8_LOGIT_BOUND = 5e-2
 
 
-@pytest.fixture(scope="module", params=[(PLAIN, "mla_decode"), (FP8, "mla_decode"),
-                                        (PLAIN, "gather"), (FP8, "gather")],
-                ids=["bf16", "fp8_per_token_head", "bf16_gather", "fp8_per_token_head_gather"])
+@pytest.fixture(scope="module", params=[
+    (PLAIN, "mla_decode", "rope_set"), (FP8, "mla_decode", "rope_set"),
+    (PLAIN, "mla_decode", "set"), (PLAIN, "gather", "set"), (FP8, "gather", "set")],
+    ids=["bf16", "fp8_per_token_head", "bf16_unfused_write", "bf16_gather",
+         "fp8_per_token_head_gather"])
 def run(request):
-  """Prefill + STEPS decode steps (attention by mla_decode, or by gathering the context
-  rows); returns everything the tests compare."""
-  cache_cfg, attention = request.param
+  """Prefill + STEPS decode steps (attention by mla_decode after the fused RoPE write, or
+  after the separate write, or by gathering the context rows); returns everything the
+  tests compare."""
+  cache_cfg, attention, write = request.param
   cfg = mla_demo.MLADemoConfig(cache=cache_cfg)
   params = mla_demo.init_params(cfg, seed=0)
   batch = len(LENGTHS)
@@ -64,7 +67,7 @@ def run(request):
   prompt = jnp.asarray(tokens[:, :PROMPT])
   prefill = mla_demo.prefill.lower(params, cache, prompt, LENGTHS, page_table).compile()
   decode = mla_demo.decode.lower(params, cache, prompt[:, 0], LENGTHS, page_table,
-                                 attention=attention).compile()
+                                 attention=attention, write=write).compile()
 
   logits, cache = prefill(params, cache, prompt, LENGTHS, page_table)
   outputs = [logits]                      # outputs[i]: logits at position LENGTHS - 1 + i

@@ -13,7 +13,9 @@ Random weights; the point is the cache inside a real model step. Per layer
     # attention runs in the latent space and reads only the cached rows.
     q_latent   = q_nope @ w_uk                 (B, Q, H, R)
     o_latent   = attention over the cached rows of each sequence:
-      decode ("mla_decode", the default): mla_decode(cache, [q_latent | q_rope], page_table)
+      decode ("mla_decode", the default): mla_decode(cache, [q_latent | q_rope], page_table),
+        with the write, both RoPEs and the query assembly fused into one launch before it
+        (rope_set_mla_kv_buffer; write="set" keeps them separate)
       prefill, or decode with attention="gather":
         ctx_c, ctx_r = cache[context slots]    get_mla_kv_buffer, (B, C, R), (B, C, dr)
         scores   = (q_latent . ctx_c + q_rope . ctx_r) / sqrt(dn + dr)
@@ -49,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mla_cache import attention as attention_ops
-from jax_mla_cache import dispatch, reference
+from jax_mla_cache import dispatch, reference, rope, rope_write
 from jax_mla_cache.config import MLACacheConfig
 from jax_mla_cache.state import MLAKVCache
 
@@ -269,6 +271,7 @@ def forward(
     page_table: jax.Array,
     implementation: dispatch.Implementation = None,
     attention: str = "gather",
+    write: str = "set",
 ) -> tuple[jax.Array, MLAKVCache]:
   """Run Q new tokens per sequence through the model, caching their latent rows.
 
@@ -285,11 +288,17 @@ def forward(
     attention: "gather" (get_mla_kv_buffer of every context row, then attention in
       XLA) or "mla_decode" (the paged decode attention reads the cache in place; needs
       the Q tokens to be each sequence's newest, right-aligned at `positions`).
+    write: "set" (RoPE in XLA, then `set_mla_kv_buffer`) or "rope_set" (the fused
+      `rope_set_mla_kv_buffer`: RoPE of q and k, the latent write and the absorbed query
+      in one launch; with attention="mla_decode").
   Returns:
     (logits (B, Q, V) float32, the new cache).
   """
   if attention not in ("gather", "mla_decode"):
     raise ValueError(f"attention must be 'gather' or 'mla_decode', got {attention!r}")
+  if write not in ("set", "rope_set") or (write == "rope_set" and attention != "mla_decode"):
+    raise ValueError(f"write must be 'set', or 'rope_set' with attention='mla_decode', got "
+                     f"write={write!r}, attention={attention!r}")
   c = params.config
   R, dr = c.cache.kv_lora_rank, c.cache.qk_rope_head_dim
   B, Q = tokens.shape
@@ -301,18 +310,25 @@ def forward(
   x = params.embed[tokens].astype(F32)
   for layer_id, layer in enumerate(params.layers):
     h = rms_norm(x, layer.attn_norm, c.rms_eps)
-    c_kv, k_rope = project_latents(layer, h, positions, c)
-    cache = dispatch.set_mla_kv_buffer(
-        cache, layer_id, write_loc.reshape(B * Q),
-        c_kv.reshape(B * Q, 1, R), k_rope.reshape(B * Q, 1, dr),
-        implementation=implementation,
-    )
-    q_nope, q_rope = project_queries(layer, h, positions, c)
-    q_latent = _einsum("bqhd,hdr->bqhr", q_nope, layer.w_uk, c.dtype)
+    if write == "rope_set":
+      cache, q = _fused_write(layer, layer_id, cache, h, positions, write_loc, C, c,
+                              implementation)
+      q_latent = q_rope = None
+    else:
+      c_kv, k_rope = project_latents(layer, h, positions, c)
+      cache = dispatch.set_mla_kv_buffer(
+          cache, layer_id, write_loc.reshape(B * Q),
+          c_kv.reshape(B * Q, 1, R), k_rope.reshape(B * Q, 1, dr),
+          implementation=implementation,
+      )
+      q_nope, q_rope = project_queries(layer, h, positions, c)
+      q_latent = _einsum("bqhd,hdr->bqhr", q_nope, layer.w_uk, c.dtype)
+      q = None
     if attention == "mla_decode":
       # In the model dtype: the kernel takes it when it is the cache's (bf16 on the GPU);
       # otherwise (a float32 model) mla_decode runs its XLA implementation.
-      q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(c.dtype)
+      if q is None:
+        q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(c.dtype)
       o_latent, _ = attention_ops.mla_decode(
           cache, layer_id, q, page_table, positions[:, -1] + 1, sm_scale=c.softmax_scale,
           implementation=implementation)
@@ -329,6 +345,28 @@ def forward(
     o = _einsum("bqhr,hrv->bqhv", o_latent, layer.w_uv, c.dtype)
     x = mlp_and_residual(layer, x, _einsum("bqhv,hvd->bqd", o, layer.w_o, c.dtype), c)
   return final_logits(params, x), cache
+
+
+def _fused_write(layer, layer_id, cache, h, positions, write_loc, context, c, implementation):
+  """The decode write in one launch: `rope_set_mla_kv_buffer` rotates q_rope and k_rope
+  (rotate-half, as `apply_rope`, from a cos/sin table of the context's positions), writes
+  the latent rows and returns the absorbed query `[q_nope @ w_uk | rope(q_rope)]`
+  (B, Q, H, R + dr) in the model dtype."""
+  B, Q = positions.shape
+  R, dr = c.cache.kv_lora_rank, c.cache.qk_rope_head_dim
+  kv = _einsum("bqd,dk->bqk", h, layer.w_kv_down, c.dtype)
+  c_kv = rms_norm(kv[..., :R], layer.kv_norm, c.rms_eps)
+  q = _einsum("bqd,dhk->bqhk", h, layer.w_q, c.dtype)
+  dn = c.qk_nope_head_dim
+  q_latent = _einsum("bqhd,hdr->bqhr", q[..., :dn], layer.w_uk, c.dtype)
+  table = rope.rope_cos_sin_cache(context, dr, c.rope_theta)
+  T = B * Q
+  cache, q_out = rope_write.rope_set_mla_kv_buffer(
+      cache, layer_id, write_loc.reshape(T), positions.reshape(T),
+      q_latent.reshape(T, -1, R), q[..., dn:].reshape(T, -1, dr),
+      c_kv.reshape(T, 1, R), kv[..., R:].reshape(T, 1, dr), table, is_neox=True,
+      q_out_dtype=c.dtype, implementation=implementation)
+  return cache, q_out.reshape(B, Q, -1, R + dr)
 
 
 @functools.partial(jax.jit, static_argnames=("implementation",), donate_argnames=("cache",))
@@ -359,7 +397,7 @@ def prefill(
   return last[:, 0], cache
 
 
-@functools.partial(jax.jit, static_argnames=("implementation", "attention"),
+@functools.partial(jax.jit, static_argnames=("implementation", "attention", "write"),
                    donate_argnames=("cache",))
 def decode(
     params: MLADemoParams,
@@ -369,6 +407,7 @@ def decode(
     page_table: jax.Array,
     implementation: dispatch.Implementation = None,
     attention: str = "mla_decode",
+    write: str = "rope_set",
 ) -> tuple[jax.Array, MLAKVCache]:
   """One decode step (donates `cache`).
 
@@ -377,13 +416,16 @@ def decode(
     positions: (B,) int, its position (= the number of tokens before it).
     page_table: (B, P) int.
     attention: "mla_decode" (reads the cache in place) or "gather" (see `forward`).
+    write: "rope_set" (the fused RoPE + write; with mla_decode) or "set" (see `forward`).
   Returns:
     (logits (B, V) float32, the new cache).
   """
   tokens, positions = tokens[:, None], positions[:, None]
   write_loc = token_slots(page_table, positions, params.config.cache.page_size)
+  if attention == "gather":
+    write = "set"  # the fused write hands its query to mla_decode
   logits, cache = forward(params, cache, tokens, positions, write_loc, page_table, implementation,
-                          attention)
+                          attention, write)
   return logits[:, 0], cache
 
 
