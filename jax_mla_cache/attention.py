@@ -28,6 +28,7 @@ from jax import lax
 
 from jax_mla_cache import dispatch
 from jax_mla_cache.state import MLAKVCache
+from pallas_kernels import exact
 
 F32 = jnp.float32
 Q_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -92,20 +93,21 @@ def mla_decode_reference(
 
 
 # ----------------------------------------------------------------- validation
-def _as_int32_clipped(x: Any, name: str, op: str, lo: int, hi: int, fill: int | None = None):
-  """An integer array as int32 with values outside [lo, hi] mapped to `fill` (or clipped
-  when fill is None), decided in the input's own width (a 64-bit value never wraps)."""
+def _check_integers(x: Any, name: str, op: str):
   if not hasattr(x, "dtype"):
     x = np.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{op}: {name} must have an integer dtype, got {x.dtype}")
-  if isinstance(x, np.ndarray):
-    wide = x.astype(np.int64) if x.dtype != np.uint64 else np.minimum(x, hi + 1).astype(np.int64)
-    out = np.clip(wide, lo, hi) if fill is None else np.where((wide >= lo) & (wide <= hi), wide, fill)
-    return jnp.asarray(out.astype(np.int32))
-  if fill is None:
-    return jnp.clip(x, lo, hi).astype(jnp.int32)
-  return jnp.where((x >= lo) & (x <= hi), x, fill).astype(jnp.int32)
+  return x
+
+
+def _lengths_to_int32(lengths: Any, max_len: int) -> jax.Array:
+  """Sequence lengths clamped to [0, max_len] in their own width, then int32 (a 64-bit
+  length never wraps)."""
+  if isinstance(lengths, (np.ndarray, np.generic)):
+    return jnp.asarray(np.clip(lengths, 0, max_len).astype(np.int32))
+  with jax.enable_x64(True):
+    return jnp.clip(lengths, 0, max_len).astype(jnp.int32)
 
 
 def _check_decode_args(cache: MLAKVCache, q, page_table, seq_lens, op: str):
@@ -128,10 +130,11 @@ def _check_decode_args(cache: MLAKVCache, q, page_table, seq_lens, op: str):
   if np.shape(page_table)[1] == 0:
     raise ValueError(f"{op}: page_table must have at least one column, got shape "
                      f"{tuple(np.shape(page_table))}")
-  n_pages = cfg.rows // cfg.page_size
   max_len = np.shape(page_table)[1] * cfg.page_size
-  page_table = _as_int32_clipped(page_table, "page_table", op, 0, n_pages - 1, fill=-1)
-  seq_lens = _as_int32_clipped(seq_lens, "seq_lens", op, 0, max_len)
+  # Page ids beyond int32 become -1; every id outside [0, rows // page_size) is masked by
+  # the reference and the kernel alike.
+  page_table = jnp.asarray(exact.index_to_int32(_check_integers(page_table, "page_table", op)))
+  seq_lens = _lengths_to_int32(_check_integers(seq_lens, "seq_lens", op), max_len)
   return page_table, seq_lens
 
 
