@@ -5,7 +5,6 @@ from a profiler trace, as bench.py), default B=64, s_q=1, H=16, context 4096.
 """
 
 import argparse
-import dataclasses
 
 import jax
 import jax.numpy as jnp

@@ -2,7 +2,6 @@
 kernel (interpret mode on CPU, real on the GPU) against the reference, bad input, and the
 kernel's CUDA lowering."""
 
-import math
 
 import chex
 import jax
@@ -12,7 +11,6 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_mla_cache as mc
-from jax_mla_cache import attention
 from pallas_kernels import mla_decode as kernel
 
 
