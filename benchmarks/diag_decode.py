@@ -1,7 +1,7 @@
-"""The decode kernel's time per storage mode and stage count, side by side (device time
+"""The decode kernels' time per storage mode, path and stage count, side by side (device time
 from a profiler trace, as bench.py), default B=64, s_q=1, H=16, context 4096.
 
-    python benchmarks/diag_decode.py [--shape B,s_q,H,ctx] [--only NAME]
+    python benchmarks/diag_decode.py [--shape B,s_q,H,ctx] [--only NAME_PREFIX]
 """
 
 import argparse
@@ -28,17 +28,24 @@ def main():
   table = jnp.asarray((rng.permutation(B * pages) + 1).reshape(B, pages).astype(np.int32))
   lens = jnp.full((B,), ctx, jnp.int32)
   q = jnp.asarray(rng.standard_normal((B, s_q, H, 576)) * 0.1, jnp.bfloat16)
-  variants = [("bf16", False, kernel.DecodeConfig()),
-              ("pth", True, kernel.DecodeConfig())]
+  variants = [(f"{mode}-{path}-s{stages}", mode == "pth",
+               kernel.DecodeConfig(path=path, stages=stages))
+              for mode in ("bf16", "pth") for path in kernel.PATHS for stages in (2, 3)]
   caches = {}
   if args.only:
-    variants = [v for v in variants if v[0] == args.only]
+    variants = [v for v in variants if v[0].startswith(args.only)]
   for name, quant, config in variants:
     cfg = (base.replace(dtype=jnp.float8_e4m3fn, quant_method="per_token_head") if quant
            else base).replace(size=B * pages * base.page_size)
     if quant not in caches:
       caches[quant] = bench.decode_cache(cfg)
     layer = caches[quant].layer(0)
+    geo = kernel.Geometry(B=B, s_q=s_q, H=H, R=512, Rr=64, P=pages, page_size=cfg.page_size,
+                          rows=cfg.rows, quantized=quant, dtype=jnp.dtype(jnp.bfloat16))
+    why = kernel._path(config.path).takes(geo, config)
+    if why is not None:
+      print(f"{name:20s} not taken: {why}", flush=True)
+      continue
     f = jax.jit(lambda layer, q, t, n, config=config: kernel.mla_decode(
         layer, q, t, n, sm_scale=0.07, page_size=cfg.page_size, kv_lora_rank=512, config=config))
     bd = {}

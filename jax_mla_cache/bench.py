@@ -244,6 +244,7 @@ def bench_moves(cfg: mc.MLACacheConfig, tokens_list, pages_list, impls, iters, r
 DECODE_SHAPES = (
     # (B, s_q, H, context): memory-bound (DeepSeek-V3's 128 heads over 8-way TP) ...
     (64, 1, 16, 4096), (128, 1, 16, 4096), (64, 1, 16, 16384), (128, 1, 16, 16384),
+    (64, 2, 16, 4096),      # speculative decoding at H=16 (32 query rows)
     # ... and compute-bound (all 128 heads, speculative s_q = 2)
     (128, 1, 128, 4096), (128, 2, 128, 4096),
 )
@@ -317,6 +318,17 @@ def bench_decode(cfg: mc.MLACacheConfig, shapes, impls, iters, report) -> None:
           if impl == "gather":
             f = jax.jit(lambda cache, q, t, n: gather_attention(
                 cache, q, t, n, sm_scale=sm, implementation="pallas"))
+          elif impl.startswith("pallas:"):   # one kernel path, forced ("pallas:narrow")
+            from pallas_kernels import mla_decode as kernel
+            config = kernel.DecodeConfig(path=impl.split(":", 1)[1])
+            geo = kernel.Geometry(B=B, s_q=s_q, H=H, R=R, Rr=W - R, P=pages,
+                                  page_size=c.page_size, rows=c.rows, quantized=c.quantized,
+                                  dtype=jnp.dtype(q.dtype))
+            if kernel._path(config.path).takes(geo, config) is not None:
+              continue
+            f = jax.jit(lambda cache, q, t, n, config=config: kernel.mla_decode(
+                cache.layer(0), q, t, n, sm_scale=sm, page_size=c.page_size,
+                kv_lora_rank=R, config=config))
           else:
             f = jax.jit(lambda cache, q, t, n, impl=impl: mc.mla_decode(
                 cache, 0, q, t, n, sm_scale=sm, implementation=impl))
@@ -402,7 +414,8 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--ops", default="rows,moves,offload,decode,rope",
                       help="comma list: rows,moves,offload,decode,rope")
   parser.add_argument("--decode-impls", default=None,
-                      help="comma list for mla_decode (default pallas,gather on a GPU; xla off it)")
+                      help="comma list for mla_decode: pallas, pallas:<path> (one kernel path), xla, "
+                           "gather (default pallas,pallas:narrow,pallas:wide,gather on a GPU; xla off it)")
   parser.add_argument("--decode-shapes", default=None,
                       help="semicolon list of B,s_q,H,context overriding the decode shapes")
   parser.add_argument("--impls", default=None,
@@ -477,7 +490,8 @@ def main(argv: list[str] | None = None) -> dict:
   if "rows" in ops:
     section("rows", bench_rows, row_cfg, set_tokens, impls, iters, report)
   if "decode" in ops:
-    decode_impls = tuple((args.decode_impls or ("pallas,gather" if on_gpu else "xla")).split(","))
+    decode_impls = tuple((args.decode_impls or ("pallas,pallas:narrow,pallas:wide,gather" if on_gpu
+                                                else "xla")).split(","))
     shapes = SMALL_DECODE_SHAPES if small else DECODE_SHAPES
     if args.decode_shapes:
       shapes = tuple(tuple(int(v) for v in s.split(",")) for s in args.decode_shapes.split(";"))

@@ -3,7 +3,7 @@
 Public function (arrays in, arrays out)::
 
     mla_decode(buffers, q, page_table, seq_lens, *, sm_scale, page_size, kv_lora_rank,
-               num_splits=None) -> (out, lse)
+               num_splits=None, config=None) -> (out, lse)
 
 * ``buffers``: the layer's cache buffers: ``(kv,)`` plain, kv (rows, 1, R+Rr) bf16/f16; or
   ``(nope, scale, rope)`` per_token_head: nope (rows, 1, R) float8_e4m3fn, scale (rows, 1, 1)
@@ -16,74 +16,91 @@ Public function (arrays in, arrays out)::
 
 Semantics are SPEC §7 (see ``jax_mla_cache.attention.mla_decode_reference``): keys are the
 whole rows, values their first R columns; per_token_head keys/values are dequantized by
-the row's scale, which the kernel folds into the scores and the softmax weights instead of
-dequantizing (it reads 644 bytes per token instead of 1152). Query j of a sequence sees
+the row's scale, which the kernels fold into the scores and the softmax weights instead of
+dequantizing (they read 644 bytes per token instead of 1152). Query j of a sequence sees
 positions ``0 .. seq_lens - s_q + j``. Page ids outside ``[0, rows // page_size)`` are
 replaced by page 0 before the kernel (so every copy stays inside the buffer) and their
 positions are masked out of the softmax.
 
-Design (FlashAttention-3 style, as jax's ``attention_mgpu``; the absorbed form of FlashMLA):
+Two kernel paths, tried in this order (the first that takes the call runs; each module's
+``takes`` says why not):
 
-* The s_q x H query rows of a sequence are the M dimension of the tensor-core products,
-  in tiles of 64 rows (a wgmma's M). Fewer rows (H=16, s_q=1) are padded by uninitialized
-  shared-memory rows: every row of attention is independent of the others, and padding
-  rows' results are never stored.
-* Grid (M tiles, splits, B); one program = 3 warpgroups. Warpgroup 2 is the producer: it
-  reads the page table and issues TMA copies of 64-token KV blocks into a ring of
-  ``STAGES`` shared-memory stages. Warpgroups 0 and 1 both compute the scores
-  S = Q K^T (64 x 64, K = R+Rr) and the online softmax, and each accumulates its half of
-  the R output columns (an accumulator of 64 x R/2 float32: 128 registers a thread for
-  R = 512), so the KV block in shared memory serves both halves of V with no copy.
-* Flash-decoding: when B x M tiles is too small to fill the GPU, each sequence's blocks
-  are split over ``num_splits`` programs (ranges computed on the device from seq_lens);
-  each writes its partial output (q.dtype) and lse, and an XLA epilogue combines them by
-  their lse. With one split the partial is the result.
-* per_token_head: the producer loads the fp8 nope plane, the rope plane and the scales;
-  each compute warpgroup converts its half of the nope columns to q.dtype in a shared
-  tile (exact: e4m3 fits bf16/f16), S = q_nope . nope^T + q_rope . rope^T in two wgmmas,
-  scores multiplied by the column's scale, softmax weights multiplied by it for P V.
+1. ``mla_decode_narrow`` -- at most 32 query rows (s_q x H) per sequence, e.g. DeepSeek-V3's
+   16 heads per GPU under 8-way tensor parallelism: the tokens are the wgmma M dimension and
+   the query rows its N (S^T = K Q^T, out^T = V^T P^T), so nothing is padded to 64 rows and
+   the score product is computed once.
+2. ``mla_decode_wide`` -- any number of query rows: the query rows are the M dimension in
+   tiles of 64 (the compute-bound case: H=128).
+
+Both: one program per (M tile, split, sequence) with a TMA producer warpgroup that follows
+the page table and two wgmma compute warpgroups; online softmax; flash-decoding splits
+(ranges computed on the device from seq_lens) merged here by their lse.
+``DecodeConfig(path=...)`` forces one path (benchmarks and tests).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import importlib
 import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.common import F32
 
 FP8_E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 Q_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-BLOCK_M = 64        # query rows per tile (a wgmma's M)
 BLOCK_KV = 64       # tokens per KV block
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MASKED = 1 << 30    # added to positions that must stay invisible
-CONVERT_COLS = 64   # per_token_head: columns dequantized at a time
+PATHS = ("narrow", "wide")
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-  """Static tiling of the decode kernel.
+  """Static tiling of the decode kernels.
 
   Attributes:
     stages: KV blocks in flight (shared-memory ring depth).
     num_sms: multiprocessors to fill when choosing the split count (None: the device's).
+    path: one of `PATHS` to force it (None: the first that takes the call).
   """
 
   stages: int = 2
   num_sms: int | None = None
+  path: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+  """Static shapes of one call, shared by the kernel paths."""
+
+  B: int
+  s_q: int
+  H: int
+  R: int
+  Rr: int
+  P: int
+  page_size: int
+  rows: int
+  quantized: bool
+  dtype: jnp.dtype
+
+  @property
+  def QR(self) -> int:
+    """Query rows per sequence."""
+    return self.s_q * self.H
+
+  @property
+  def max_blocks(self) -> int:
+    return max(1, -(-self.P * self.page_size // BLOCK_KV))
 
 
 def check_supported(buffers, q, *, page_size: int, kv_lora_rank: int) -> str | None:
-  """None when the kernel handles this call, else a reason (for the dispatch fall-through)."""
+  """None when a kernel path handles this call, else a reason (for the dispatch fall-through)."""
   qd = jnp.dtype(q.dtype)
   if qd not in Q_DTYPES:
     return f"q dtype {qd} (the kernel takes bf16 or f16)"
@@ -116,7 +133,8 @@ def split_count(batch: int, m_tiles: int, max_blocks: int, num_sms: int) -> int:
   return int(max(1, min(num_sms // per_split, max_blocks)))
 
 
-def _num_sms(config: DecodeConfig) -> int:
+def num_sms(config: DecodeConfig) -> int:
+  """Multiprocessors to fill: the config's, the GPU's, or an H100/H200's 132."""
   if config.num_sms is not None:
     return config.num_sms
   try:
@@ -125,7 +143,13 @@ def _num_sms(config: DecodeConfig) -> int:
       return int(device.core_count)
   except (RuntimeError, AttributeError):
     pass
-  return 132  # an H100/H200
+  return 132
+
+
+def _path(name: str):
+  if name not in PATHS:
+    raise ValueError(f"DecodeConfig.path must be one of {PATHS} or None, got {name!r}")
+  return importlib.import_module(f"pallas_kernels.mla_decode_{name}")
 
 
 def mla_decode(buffers, q, page_table, seq_lens, *, sm_scale: float, page_size: int,
@@ -142,311 +166,63 @@ def mla_decode(buffers, q, page_table, seq_lens, *, sm_scale: float, page_size: 
     page_size: tokens per page.
     kv_lora_rank: R.
     num_splits: programs per sequence and M tile (None: `split_count`).
+    config: `DecodeConfig` (None: defaults).
   Returns:
     (out (B, s_q, H, R) q.dtype, lse (B, s_q, H) float32).
+  Raises:
+    common.Unsupported: no kernel path takes the call (the reason says why).
   """
   config = config or DecodeConfig()
   reason = check_supported(buffers, q, page_size=page_size, kv_lora_rank=kv_lora_rank)
   if reason is not None:
     raise common.Unsupported(reason)
-  quantized = len(buffers) == 3
   B, s_q, H, W = q.shape
-  R = kv_lora_rank
-  Rr = W - R
-  P = page_table.shape[1]
   rows = buffers[0].shape[0]
-  n_pages = rows // page_size
-  max_len = P * page_size
-  dtype = jnp.dtype(q.dtype)
-
-  QR = s_q * H
-  if QR <= BLOCK_M:
-    QRp = -(-QR // 8) * 8
+  geo = Geometry(B=B, s_q=s_q, H=H, R=kv_lora_rank, Rr=W - kv_lora_rank,
+                 P=page_table.shape[1], page_size=page_size, rows=rows,
+                 quantized=len(buffers) == 3, dtype=jnp.dtype(q.dtype))
+  order = (config.path,) if config.path else PATHS
+  reasons = []
+  for name in order:
+    module = _path(name)
+    why = module.takes(geo, config)
+    if why is None:
+      break
+    reasons.append(f"{name}: {why}")
   else:
-    QRp = -(-QR // BLOCK_M) * BLOCK_M
-  m_tiles = -(-QRp // BLOCK_M)
-  tile_rows = min(QRp, BLOCK_M)
-  max_blocks = max(1, -(-max_len // BLOCK_KV))
-  splits = num_splits or split_count(B, m_tiles, max_blocks, _num_sms(config))
+    raise common.Unsupported("; ".join(reasons))
 
-  q2 = q.reshape(B, QR, W)
-  if QRp != QR:
-    q2 = jnp.pad(q2, ((0, 0), (0, QRp - QR), (0, 0)))
+  n_pages = rows // page_size
   page_ok = (page_table >= 0) & (page_table < n_pages)
   safe_table = jnp.where(page_ok, page_table, 0).astype(jnp.int32)
-  lens = jnp.clip(seq_lens, 0, max_len).astype(jnp.int32)
-
-  build = functools.partial(
-      _decode_kernel, B=B, s_q=s_q, H=H, R=R, Rr=Rr, P=P, QRp=QRp, tile_rows=tile_rows,
-      m_tiles=m_tiles, splits=splits, page_size=page_size, dtype=dtype,
-      quantized=quantized, sm_scale=float(sm_scale), stages=config.stages)
-  if quantized:
+  lens = jnp.clip(seq_lens, 0, geo.P * page_size).astype(jnp.int32)
+  if geo.quantized:
     nope, scale, rope = buffers
-    operands = (nope.reshape(rows, R), scale.reshape(rows), rope.reshape(rows, Rr))
+    operands = (nope.reshape(rows, geo.R), scale.reshape(rows), rope.reshape(rows, geo.Rr))
   else:
     operands = (buffers[0].reshape(rows, W),)
-  out, lse = common.dispatch(build, *operands, q2, safe_table,
-                             page_ok.astype(jnp.int32), lens)
-  out, lse = _combine(out, lse, dtype)
-  out = out[:, :QR].reshape(B, s_q, H, R)
-  lse = lse[:, :QR].reshape(B, s_q, H)
-  return out, lse
+  out, lse = module.run(geo, config, operands, q.reshape(B, geo.QR, W), safe_table,
+                        page_ok.astype(jnp.int32), lens, sm_scale=float(sm_scale),
+                        num_splits=num_splits)
+  return out.reshape(B, s_q, H, geo.R), lse.reshape(B, s_q, H)
 
 
-def _combine(out, lse, dtype):
-  """Merge the splits' partial results (B, S, QRp, R), (B, S, QRp) by their lse."""
+def combine(out, lse, dtype, *, rows_last: bool = False):
+  """Merge the splits' partial results by their lse.
+
+  Args:
+    out: (B, S, Q, R) partial outputs, or (B, S, R, Q) with ``rows_last``.
+    lse: (B, S, Q) float32 (natural log; -inf for a split that saw nothing).
+    dtype: the result's dtype.
+  Returns:
+    (out (B, Q, R) dtype, lse (B, Q) float32).
+  """
   if out.shape[1] == 1:
-    return out[:, 0], lse[:, 0]
+    merged = out[:, 0]
+    return (merged.swapaxes(1, 2) if rows_last else merged), lse[:, 0]
   total = jax.nn.logsumexp(lse, axis=1)                      # -inf where every split is
   weight = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - jnp.where(
       jnp.isneginf(total), 0.0, total)[:, None]))
-  merged = jnp.einsum("bsq,bsqr->bqr", weight, out.astype(F32))
+  spec = "bsq,bsrq->bqr" if rows_last else "bsq,bsqr->bqr"
+  merged = jnp.einsum(spec, weight, out.astype(F32))
   return merged.astype(dtype), total
-
-
-def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, splits,
-                   page_size, dtype, quantized, sm_scale, stages):
-  W = R + Rr
-  half = R // 2
-  bits = dtype.itemsize * 8
-  swizzle = 128
-  tile = (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
-  # 64-byte swizzle for the fp8 plane: its (8, 64) tiles match the 64-column chunks that
-  # are converted at a time.
-  fp8_tile = (plgpu.TilingTransform((8, CONVERT_COLS)), plgpu.SwizzleTransform(CONVERT_COLS))
-  copies = 1 if page_size >= BLOCK_KV else BLOCK_KV // page_size
-  rows_per_copy = min(page_size, BLOCK_KV)
-  score_scale = sm_scale * LOG2E
-
-  def body(*refs):
-    if interpret:
-      *refs, p_smem = refs
-    if quantized:
-      (nope_ref, scale_ref, rope_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
-       q_smem, kv_smem, rope_smem, scale_smem, key_tile, lse_smem,
-       q_bar, kv_bar, free_bar, sync_bar) = refs
-    else:
-      (kv_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
-       q_smem, kv_smem, lse_smem, q_bar, kv_bar, free_bar, sync_bar) = refs
-    mt = lax.axis_index("m")
-    sp = lax.axis_index("s")
-    b = lax.axis_index("b")
-    wg = lax.axis_index("wg")
-    length = len_ref[b]
-    n_blocks = lax.div(length + (BLOCK_KV - 1), BLOCK_KV)
-    per_split = lax.div(n_blocks + (splits - 1), splits)
-    first = sp * per_split
-    n_steps = jnp.maximum(jnp.minimum(first + per_split, n_blocks) - first, 0)
-
-    def sync_compute():
-      plgpu.barrier_arrive(sync_bar)
-      plgpu.barrier_wait(sync_bar)
-
-    @pl.when(wg < 2)
-    def _compute():
-      if not interpret:
-        plgpu.set_max_registers(232, action="increase")
-
-      @pl.when(wg == 0)
-      def _():
-        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(mt * BLOCK_M, tile_rows)],
-                                q_smem.at[pl.ds(0, tile_rows)], q_bar)
-      plgpu.barrier_wait(q_bar)
-
-      cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, BLOCK_KV), 1,
-                                    layout=plgpu.Layout.WGMMA)
-      rws = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, BLOCK_KV), 0,
-                                   layout=plgpu.Layout.WGMMA)
-      # Query j of row r sees positions <= length - s_q + j.
-      limit = length - s_q + lax.div(rws + mt * BLOCK_M, H)
-      col0 = pl.ds(wg * half, half)
-
-      m_i = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, F32),
-                              plgpu.Layout.WGMMA.reduce(1))
-      l_i = plgpu.layout_cast(jnp.full((BLOCK_M,), 0.0, F32), plgpu.Layout.WGMMA.reduce(1))
-
-      acc = plgpu.layout_cast(jnp.full((BLOCK_M, half), 0.0, F32), plgpu.Layout.WGMMA)
-
-      def step(i, carry):
-        acc, m_i, l_i = carry
-        slot = lax.rem(i, stages)
-        block = first + i
-        plgpu.barrier_wait(kv_bar.at[slot])
-        if quantized:
-          # Convert the fp8 nope block exactly to q's dtype in the shared tile `key_tile`
-          # (the scale stays out: it multiplies the scores and the softmax weights below).
-          # Both warpgroups' score products read all of it: the previous block's must be
-          # done before it is overwritten, and this block's conversion (each warpgroup its
-          # half of the columns) complete before either reads it.
-          sync_compute()
-          # 64-column chunks keep the temporaries at 32 registers a thread.
-          for c in range(half // CONVERT_COLS):
-            chunk = pl.ds(wg * half + c * CONVERT_COLS, CONVERT_COLS)
-            x = plgpu.load(kv_smem.at[slot, :, chunk], layout=plgpu.Layout.WGMMA)
-            # e4m3 -> bf16 has no conversion instruction on sm_90 (ptxas 12/13): through
-            # float32, exact like e4m3 -> f16.
-            key_tile.at[:, chunk][...] = x.astype(F32).astype(dtype)
-          plgpu.commit_smem()
-          sync_compute()
-
-        def scores(s_ref):
-          if quantized:
-            plgpu.wgmma(s_ref, q_smem.at[:, pl.ds(0, R)], key_tile.transpose((1, 0)))
-            plgpu.wgmma(s_ref, q_smem.at[:, pl.ds(R, Rr)], rope_smem.at[slot].transpose((1, 0)))
-          else:
-            plgpu.wgmma(s_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
-          return s_ref[...]
-
-        s = pl.run_scoped(scores, plgpu.ACC((BLOCK_M, BLOCK_KV), F32))
-        # Positions of out-of-range pages move past every limit (integer arithmetic only:
-        # vectors of booleans have no register layout here).
-        pos = block * BLOCK_KV + cols
-        if copies == 1:
-          bad = 1 - ok_ref[b, lax.div(block * BLOCK_KV, page_size)]
-          pos = pos + bad * MASKED
-        else:
-          page_in_block = lax.div(cols, page_size)
-          penalty = jnp.zeros_like(cols)
-          for c in range(copies):
-            bad = 1 - ok_ref[b, jnp.minimum(block * copies + c, P - 1)]
-            penalty = jnp.where(page_in_block == c, bad * MASKED, penalty)
-          pos = pos + penalty
-        visible = pos <= limit
-        if quantized:
-          col_scale = lax.broadcast_in_dim(
-              plgpu.load(scale_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)),
-              (BLOCK_M, BLOCK_KV), [1])
-          s = s * col_scale
-          # The block's raw planes are consumed (converted, rope read by the score product,
-          # scales loaded): the producer may refill the stage now.
-          plgpu.barrier_arrive(free_bar.at[slot])
-        s = jnp.where(visible, s * score_scale, -jnp.inf)
-        m_new = jnp.maximum(m_i, s.max(axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_i - m_use)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-        l_i = l_i * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        pv = (p * col_scale if quantized else p).astype(dtype)
-        values = key_tile.at[:, col0] if quantized else kv_smem.at[slot, :, col0]
-        if interpret:
-          # The interpreter takes wgmma operands from shared memory only and cannot
-          # pre-initialize an accumulator: P goes through shared memory and the product
-          # is added to the carried accumulator.
-          p_smem.at[wg][...] = pv
-
-          def product(r):
-            plgpu.wgmma(r, p_smem.at[wg], values)
-            return r[...]
-
-          acc = acc + pl.run_scoped(product, plgpu.ACC((BLOCK_M, half), F32))
-        else:
-          def product(acc_ref):
-            plgpu.wgmma(acc_ref, pv, values)
-
-          acc = pl.run_state(product)(plgpu.ACC.init(acc))
-        if not quantized:  # (per_token_head released its raw block after converting it)
-          plgpu.barrier_arrive(free_bar.at[slot])
-        return acc, m_new, l_i
-
-      acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
-
-      # Both warpgroups' score products read q_smem: wait for both before reusing it.
-      sync_compute()
-      has = l_i > 0
-      inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
-      out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-      q_smem.at[:, col0][...] = out.astype(dtype)
-
-      @pl.when(wg == 0)
-      def _():
-        lse_smem[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2,
-                                  -jnp.inf)
-      plgpu.commit_smem()
-      # One copy per 8-row tile row: a column half of a tiled tile is contiguous only
-      # within its tile row.
-      for g in range(tile_rows // 8):
-        plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(8 * g, 8), col0],
-                                out_ref.at[b, sp, pl.ds(mt * BLOCK_M + 8 * g, 8), col0])
-
-      @pl.when(wg == 0)
-      def _():
-        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, tile_rows)],
-                                lse_ref.at[b, sp, pl.ds(mt * BLOCK_M, tile_rows)])
-      plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == 2)
-    def _producer():
-      if not interpret:
-        plgpu.set_max_registers(40, action="decrease")
-
-      def load(i):
-        slot = lax.rem(i, stages)
-        start = (first + i) * BLOCK_KV
-        for c in range(copies):
-          position = start + c * rows_per_copy
-          page = pt_ref[b, jnp.minimum(lax.div(position, page_size), P - 1)]
-          row = page * page_size + lax.rem(position, page_size)
-          dst = pl.ds(c * rows_per_copy, rows_per_copy)
-          if quantized:
-            plgpu.copy_gmem_to_smem(nope_ref.at[pl.ds(row, rows_per_copy)],
-                                    kv_smem.at[slot, dst], kv_bar.at[slot])
-            plgpu.copy_gmem_to_smem(rope_ref.at[pl.ds(row, rows_per_copy)],
-                                    rope_smem.at[slot, dst], kv_bar.at[slot])
-            plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(row, rows_per_copy)],
-                                    scale_smem.at[slot, dst], kv_bar.at[slot])
-          else:
-            plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, rows_per_copy)],
-                                    kv_smem.at[slot, dst], kv_bar.at[slot])
-
-      @pl.loop(0, n_steps)
-      def _(i):
-        slot = lax.rem(i, stages)
-
-        @pl.when(i >= stages)
-        def _():
-          plgpu.barrier_wait(free_bar.at[slot])
-        load(i)
-
-      # Observe the last blocks' releases too, so that every barrier phase is consumed
-      # when the program ends (the interpreter checks it; on the GPU it costs nothing).
-      @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
-      def _(i):
-        plgpu.barrier_wait(free_bar.at[lax.rem(i, stages)])
-
-  per_block = 3 * copies if quantized else copies
-  if quantized:
-    smem = [
-        plgpu.SMEM((BLOCK_M, W), dtype, transforms=tile),
-        plgpu.SMEM((stages, BLOCK_KV, R), FP8_E4M3, transforms=fp8_tile),
-        plgpu.SMEM((stages, BLOCK_KV, Rr), dtype, transforms=tile),
-        plgpu.SMEM((stages, BLOCK_KV), F32),
-        plgpu.SMEM((BLOCK_KV, R), dtype, transforms=tile),
-        plgpu.SMEM((BLOCK_M,), F32),
-    ]
-  else:
-    smem = [
-        plgpu.SMEM((BLOCK_M, W), dtype, transforms=tile),
-        plgpu.SMEM((stages, BLOCK_KV, W), dtype, transforms=tile),
-        plgpu.SMEM((BLOCK_M,), F32),
-    ]
-  barriers = [
-      plgpu.Barrier(num_arrivals=1),
-      plgpu.Barrier(num_arrivals=per_block, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2),
-  ]
-  return plgpu.kernel(
-      body,
-      out_type=(jax.ShapeDtypeStruct((B, splits, QRp, R), dtype),
-                jax.ShapeDtypeStruct((B, splits, QRp), F32)),
-      scratch_types=smem + barriers + (
-          [plgpu.SMEM((2, BLOCK_M, BLOCK_KV), dtype, transforms=tile)] if interpret else []),
-      grid=(m_tiles, splits, B),
-      grid_names=("m", "s", "b"),
-      num_threads=3,
-      thread_name="wg",
-      kernel_name="mla_decode_pth" if quantized else "mla_decode",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=common.interpret_params() if interpret else None,
-  )

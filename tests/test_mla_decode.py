@@ -209,25 +209,56 @@ def test_split_count():
 
 # ----------------------------------------------------------------- the kernel, interpreted
 KERNEL_CASES = [
-    # mode, page_size, B, s_q, H, P, splits
-    ("bf16", 16, 3, 1, 16, 10, None),
-    ("bf16", 64, 2, 3, 24, 3, 2),       # 72 query rows: two M tiles
-    ("pth", 32, 2, 2, 16, 5, 3),
-    ("pth", 64, 2, 1, 8, 3, 1),
+    # mode, page_size, B, s_q, H, P, splits, path
+    ("bf16", 16, 3, 1, 16, 10, None, "narrow"),
+    ("bf16", 16, 3, 1, 16, 10, None, "wide"),
+    ("bf16", 64, 2, 3, 24, 3, 2, "wide"),       # 72 query rows: two M tiles
+    ("bf16", 64, 2, 3, 8, 3, 2, "narrow"),      # 24 query rows padded to 32, queries causal
+    ("pth", 32, 2, 2, 16, 5, 3, "narrow"),
+    ("pth", 32, 2, 2, 16, 5, 3, "wide"),
+    ("pth", 64, 2, 1, 8, 3, 1, "wide"),
+    ("pth", 64, 2, 1, 5, 3, 1, "narrow"),       # 5 rows padded to 16
 ]
 
 
-@pytest.mark.parametrize("mode,page_size,B,s_q,H,P,splits", KERNEL_CASES)
-def test_kernel_interpret_matches_reference(mode, page_size, B, s_q, H, P, splits, rng):
+@pytest.mark.parametrize("mode,page_size,B,s_q,H,P,splits,path", KERNEL_CASES)
+def test_kernel_interpret_matches_reference(mode, page_size, B, s_q, H, P, splits, path, rng):
   cfg = CONFIGS[mode].replace(page_size=page_size, size=1024 - page_size + 16 * page_size)
   cache = filled_cache(cfg, rng)
   q, table, lens = problem(cfg, rng, B, s_q, H, P)
   layer = cache.layer(0)
   args = dict(sm_scale=0.2, page_size=page_size, kv_lora_rank=512)
-  got = jax.jit(lambda *a: kernel.mla_decode(*a, num_splits=splits, **args))(
+  config = kernel.DecodeConfig(path=path)
+  got = jax.jit(lambda *a: kernel.mla_decode(*a, num_splits=splits, config=config, **args))(
       layer, q, jnp.asarray(table), jnp.asarray(lens))
   want = decode64(layer, q, table, lens, **args)
   assert_close(got, want)
+
+
+def test_kernel_paths_take_what_they_say():
+  """narrow takes <= 32 query rows, wide everything; the default order tries narrow first."""
+  geo = lambda s_q, H, quantized=False: kernel.Geometry(
+      B=4, s_q=s_q, H=H, R=512, Rr=64, P=8, page_size=64, rows=4096, quantized=quantized,
+      dtype=jnp.dtype(jnp.bfloat16))
+  narrow = kernel._path("narrow")
+  wide = kernel._path("wide")
+  config = kernel.DecodeConfig()
+  assert kernel.PATHS == ("narrow", "wide")
+  for s_q, H in ((1, 16), (2, 16), (1, 1), (4, 8)):
+    assert narrow.takes(geo(s_q, H), config) is None
+    assert narrow.takes(geo(s_q, H, True), config) is None
+  assert "query rows" in narrow.takes(geo(1, 64), config)
+  assert "query rows" in narrow.takes(geo(4, 16), config)
+  assert wide.takes(geo(2, 128), config) is None
+  assert narrow.padded_rows(5) == 16 and narrow.padded_rows(17) == 32
+  with pytest.raises(ValueError, match="path"):
+    kernel._path("fast")
+  q = jnp.zeros((1, 1, 64, 576), jnp.bfloat16)
+  kv = jnp.zeros((64, 1, 576), jnp.bfloat16)
+  with pytest.raises(kernel.common.Unsupported, match="narrow"):
+    kernel.mla_decode((kv,), q, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32),
+                      sm_scale=0.1, page_size=64, kv_lora_rank=512,
+                      config=kernel.DecodeConfig(path="narrow"))
 
 
 def test_public_op_runs_the_kernel_on_pallas(rng):
@@ -240,15 +271,18 @@ def test_public_op_runs_the_kernel_on_pallas(rng):
 
 
 @pytest.mark.parametrize("mode", ["bf16", "pth"])
-@pytest.mark.parametrize("page_size,B,s_q,H", [(64, 64, 1, 16), (32, 8, 4, 128), (128, 1, 2, 64)])
-def test_kernel_lowers_for_cuda(mode, page_size, B, s_q, H):
+@pytest.mark.parametrize("page_size,B,s_q,H,path", [
+    (64, 64, 1, 16, "narrow"), (64, 64, 1, 16, "wide"), (32, 8, 2, 16, "narrow"),
+    (32, 8, 4, 128, None), (128, 1, 2, 64, None)])
+def test_kernel_lowers_for_cuda(mode, page_size, B, s_q, H, path):
   base = mc.DEEPSEEK_V3 if mode == "bf16" else mc.DEEPSEEK_V3_FP8
   cfg = base.replace(size=65536 - page_size, page_size=page_size, layer_num=1)
   spec = mc.cache_spec(cfg)
   P = 4096 // page_size
   args = (spec.layer(0), jax.ShapeDtypeStruct((B, s_q, H, 576), jnp.bfloat16),
           jax.ShapeDtypeStruct((B, P), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
-  f = lambda *a: kernel.mla_decode(*a, sm_scale=0.1, page_size=page_size, kv_lora_rank=512)
+  f = lambda *a: kernel.mla_decode(*a, sm_scale=0.1, page_size=page_size, kv_lora_rank=512,
+                                   config=kernel.DecodeConfig(path=path))
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text.lower()
 
@@ -298,9 +332,21 @@ def _random_layer(cfg, rng):
 def test_gpu_kernel_matches_reference(mode, B, s_q, H, max_len):
   rng = np.random.default_rng(B * 100 + s_q * 10 + H)
   cache, q, table, lens = _gpu_case(mode, B, s_q, H, max_len, 64, rng)
-  got = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.07, implementation="pallas")
   want = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.07, implementation="xla")
-  assert_close(got, tuple(np.asarray(x, np.float64) for x in want))
+  want = tuple(np.asarray(x, np.float64) for x in want)
+  got = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.07, implementation="pallas")
+  assert_close(got, want)
+  if s_q * H <= 32:   # the default ran the narrow path: check the wide one too
+    got = _kernel_path(cache, q, table, lens, "wide")
+    assert_close(got, want)
+
+
+def _kernel_path(cache, q, table, lens, path, sm_scale=0.07):
+  cfg = cache.config
+  return jax.jit(lambda *a: kernel.mla_decode(
+      *a, sm_scale=sm_scale, page_size=cfg.page_size, kv_lora_rank=cfg.kv_lora_rank,
+      config=kernel.DecodeConfig(path=path)))(cache.layer(0), q, jnp.asarray(table),
+                                             jnp.asarray(lens))
 
 
 @pytest.mark.gpu
@@ -309,9 +355,10 @@ def test_gpu_kernel_matches_reference(mode, B, s_q, H, max_len):
 def test_gpu_kernel_hostile_page_tables_and_page_sizes(mode, page_size):
   rng = np.random.default_rng(page_size)
   cache, q, table, lens = _gpu_case(mode, 12, 2, 16, 3000, page_size, rng, hostile=True)
-  got = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.07, implementation="pallas")
   want = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.07, implementation="xla")
-  assert_close(got, tuple(np.asarray(x, np.float64) for x in want))
+  want = tuple(np.asarray(x, np.float64) for x in want)
+  for path in kernel.PATHS:
+    assert_close(_kernel_path(cache, q, table, lens, path), want)
 
 
 @pytest.mark.gpu
@@ -320,6 +367,6 @@ def test_gpu_kernel_against_float64_small(rng):
     cfg = CONFIGS[mode].replace(page_size=32, size=1024)
     cache = filled_cache(cfg, rng)
     q, table, lens = problem(cfg, rng, B=3, s_q=2, H=16, P=5)
-    got = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.3, implementation="pallas")
     want = decode64(cache.layer(0), q, table, lens, sm_scale=0.3, page_size=32, kv_lora_rank=512)
-    assert_close(got, want)
+    for path in kernel.PATHS:
+      assert_close(_kernel_path(cache, q, table, lens, path, sm_scale=0.3), want)

@@ -1,0 +1,370 @@
+"""mla_decode path "narrow": at most 32 query rows, the tokens are the wgmma M dimension.
+
+With DeepSeek-V3's 128 heads split over 8 GPUs, a decode step has H=16 query heads per
+sequence (s_q x H = 16..64 rows with speculative tokens). The "wide" path makes those rows
+the M dimension of every tensor-core product, padded to 64 (4x the work at 16 rows), and
+both compute warpgroups compute the same score block: with the per_token_head cache (half
+the bytes of bf16) that work, not memory, bounds the kernel. Here the products are
+transposed so that the few query rows are the N dimension (8..256 in a wgmma):
+
+    S^T (64 tokens x N)   = K (64 x (R+Rr)) . Q^T          (N = query rows, padded to 16/32)
+    out^T (R x N)        += V^T (R x 64) . P^T (64 x N)     (V = the block's first R columns)
+
+Per KV block that is 2*64*N*(R+Rr) + 2*R*64*N flops: 2.2 MFLOP at N=16 instead of 13.6.
+
+Program = (split, sequence), 3 warpgroups:
+
+* warpgroup 2, the producer: follows the page table with TMA copies of 64-token blocks into
+  a ring of ``stages`` shared-memory stages (as the wide path);
+* warpgroup 0 computes S^T, the online softmax along the tokens (a reduction across its
+  4 warps, through shared memory: only this warpgroup reduces, so the compiler's single
+  reduction scratch area is not shared), writes P^T's transpose P (N x 64) and the
+  rescale factors alpha (N) to shared memory, and signals warpgroup 1;
+* warpgroups 0 and 1 each accumulate half of out^T (R/2 x N float32: 32 registers a thread
+  at N=16) from V^T (the cached block read transposed from shared memory) and P.
+
+per_token_head: both compute warpgroups first convert their half of the fp8 nope columns
+to q.dtype in a shared tile (exact), which serves as K for S^T and as V for out^T; the row
+scale multiplies the scores (rows of S^T) and the softmax weights.
+
+Outputs are written transposed, (B, splits, R, N), and transposed back by the XLA epilogue
+(with the split merge when there are several).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import common
+from pallas_kernels.common import F32
+from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, LN2, LOG2E, MASKED, DecodeConfig,
+                                       Geometry, combine, num_sms, split_count)
+
+MAX_ROWS = 32       # query rows (s_q x H) this path takes
+CONVERT_COLS = 64   # per_token_head: columns dequantized at a time
+SMEM_LIMIT = 227 * 1024
+
+
+def padded_rows(QR: int) -> int:
+  """N of the products: the query rows rounded up to 16 (a 32-byte bf16 row at least)."""
+  return max(16, -(-QR // 16) * 16)
+
+
+def _smem_bytes(geo: Geometry, stages: int) -> int:
+  n = padded_rows(geo.QR)
+  W = geo.R + geo.Rr
+  size = geo.dtype.itemsize
+  total = n * W * size + n * BLOCK_KV * size + geo.R * n * size + 4 * 3 * n + 2048
+  if geo.quantized:
+    total += stages * BLOCK_KV * (geo.R + geo.Rr * size + 4) + BLOCK_KV * geo.R * size
+  else:
+    total += stages * BLOCK_KV * W * size
+  return total
+
+
+def takes(geo: Geometry, config: DecodeConfig) -> str | None:
+  """None when this path runs the call, else why not."""
+  if geo.QR > MAX_ROWS:
+    return f"{geo.QR} query rows (s_q x H) per sequence (this path takes <= {MAX_ROWS})"
+  if geo.R // 2 > 256 or geo.R % 128:
+    return f"R={geo.R} (this path takes R % 128 == 0 and R <= 512)"
+  if _smem_bytes(geo, config.stages) > SMEM_LIMIT:
+    return f"shared memory: {config.stages} stages do not fit"
+  return None
+
+
+def run(geo: Geometry, config: DecodeConfig, operands, q2, safe_table, page_ok, lens, *,
+        sm_scale: float, num_splits: int | None):
+  """The kernel on prepared operands: q2 (B, QR, W); returns (out (B, QR, R), lse (B, QR))."""
+  QR = geo.QR
+  N = padded_rows(QR)
+  splits = num_splits or split_count(geo.B, 1, geo.max_blocks, num_sms(config))
+  if N != QR:
+    q2 = jnp.pad(q2, ((0, 0), (0, N - QR), (0, 0)))
+  build = functools.partial(
+      _kernel, B=geo.B, s_q=geo.s_q, H=geo.H, R=geo.R, Rr=geo.Rr, P=geo.P, N=N,
+      splits=splits, page_size=geo.page_size, dtype=geo.dtype, quantized=geo.quantized,
+      sm_scale=sm_scale, stages=config.stages)
+  out, lse = common.dispatch(build, *operands, q2, safe_table, page_ok, lens)
+  out, lse = combine(out, lse, geo.dtype, rows_last=True)
+  return out[:, :QR], lse[:, :QR]
+
+
+def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quantized,
+            sm_scale, stages):
+  W = R + Rr
+  half = R // 2
+  bits = dtype.itemsize * 8
+  tile = (plgpu.TilingTransform((8, 1024 // bits)), plgpu.SwizzleTransform(128))
+  fp8_tile = (plgpu.TilingTransform((8, CONVERT_COLS)), plgpu.SwizzleTransform(CONVERT_COLS))
+  copies = 1 if page_size >= BLOCK_KV else BLOCK_KV // page_size
+  rows_per_copy = min(page_size, BLOCK_KV)
+  score_scale = sm_scale * LOG2E
+  row_vec = plgpu.Layout.WGMMA.reduce(1)    # one value per token (a row of S^T)
+  col_vec = plgpu.Layout.WGMMA.reduce(0)    # one value per query row (a column of S^T)
+
+  def body(*refs):
+    if quantized:
+      (nope_ref, scale_ref, rope_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
+       q_smem, kv_smem, rope_smem, scale_smem, key_tile, p_smem, o_smem, alpha_smem,
+       m_smem, l_smem, q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free) = refs
+    else:
+      (kv_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
+       q_smem, kv_smem, p_smem, o_smem, alpha_smem, m_smem, l_smem,
+       q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free) = refs
+    sp = lax.axis_index("s")
+    b = lax.axis_index("b")
+    wg = lax.axis_index("wg")
+    length = len_ref[b]
+    n_blocks = lax.div(length + (BLOCK_KV - 1), BLOCK_KV)
+    per_split = lax.div(n_blocks + (splits - 1), splits)
+    first = sp * per_split
+    n_steps = jnp.maximum(jnp.minimum(first + per_split, n_blocks) - first, 0)
+    col0 = pl.ds(wg * half, half)
+
+    def sync_compute():
+      plgpu.barrier_arrive(sync_bar)
+      plgpu.barrier_wait(sync_bar)
+
+    def accumulate(acc, slot):
+      """acc (half, N) += V^T . P over this warpgroup's half of the value columns."""
+      values = (key_tile.at[:, col0] if quantized else kv_smem.at[slot, :, col0])
+      values_t = values.transpose((1, 0))
+      p_t = p_smem.transpose((1, 0))
+      if interpret:
+        # The interpreter cannot pre-initialize an accumulator: add a fresh product.
+        def product(r):
+          plgpu.wgmma(r, values_t, p_t)
+          return r[...]
+
+        return acc + pl.run_scoped(product, plgpu.ACC((half, N), F32))
+
+      def product(acc_ref):
+        plgpu.wgmma(acc_ref, values_t, p_t)
+
+      return pl.run_state(product)(plgpu.ACC.init(acc))
+
+    @pl.when(wg < 2)
+    def _compute():
+      if not interpret:
+        plgpu.set_max_registers(232, action="increase")
+
+      @pl.when(wg == 0)
+      def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
+        plgpu.barrier_wait(q_bar)
+
+      acc = plgpu.layout_cast(jnp.full((half, N), 0.0, F32), plgpu.Layout.WGMMA)
+      tok = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, N), 0, layout=plgpu.Layout.WGMMA)
+      qrow = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, N), 1, layout=plgpu.Layout.WGMMA)
+      # Query j (row r = j * H + h) sees positions <= length - s_q + j.
+      limit = length - s_q + lax.div(qrow, H)
+
+      @pl.when(wg == 0)
+      def _():
+        m_smem[...] = plgpu.layout_cast(jnp.full((N,), -jnp.inf, F32), col_vec)
+        l_smem[...] = plgpu.layout_cast(jnp.full((N,), 0.0, F32), col_vec)
+
+      def softmax(i, slot):
+        """Warpgroup 0: S^T of block i and the online softmax. The running max and sum
+        live in shared memory; P, alpha, max and sum are written there for both."""
+        def scores(s_ref):
+          if quantized:
+            plgpu.wgmma(s_ref, key_tile, q_smem.at[:, pl.ds(0, R)].transpose((1, 0)))
+            plgpu.wgmma(s_ref, rope_smem.at[slot], q_smem.at[:, pl.ds(R, Rr)].transpose((1, 0)))
+          else:
+            plgpu.wgmma(s_ref, kv_smem.at[slot], q_smem.transpose((1, 0)))
+          return s_ref[...]
+
+        s = pl.run_scoped(scores, plgpu.ACC((BLOCK_KV, N), F32))
+        block = first + i
+        pos = block * BLOCK_KV + tok
+        # Positions of out-of-range pages move past every limit (integer arithmetic only:
+        # vectors of booleans have no register layout here).
+        if copies == 1:
+          pos = pos + (1 - ok_ref[b, lax.div(block * BLOCK_KV, page_size)]) * MASKED
+        else:
+          page_in_block = lax.div(tok, page_size)
+          penalty = jnp.zeros_like(tok)
+          for c in range(copies):
+            bad = 1 - ok_ref[b, jnp.minimum(block * copies + c, P - 1)]
+            penalty = jnp.where(page_in_block == c, bad * MASKED, penalty)
+          pos = pos + penalty
+        if quantized:
+          row_scale = lax.broadcast_in_dim(
+              plgpu.load(scale_smem.at[slot], layout=row_vec), (BLOCK_KV, N), [0])
+          s = s * row_scale
+        s = jnp.where(pos <= limit, s * score_scale, -jnp.inf)
+        m_i = plgpu.load(m_smem, layout=col_vec)
+        l_i = plgpu.load(l_smem, layout=col_vec)
+        m_new = jnp.maximum(m_i, s.max(axis=0))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [1]))
+        l_new = l_i * alpha + p.sum(axis=0)
+        if quantized:
+          p = p * row_scale
+          # The raw planes are consumed (nope converted by both warpgroups before this
+          # step, rope read by the score product, scales loaded).
+          plgpu.barrier_arrive(free_bar.at[slot])
+
+        @pl.when(i > 0)
+        def _():
+          plgpu.barrier_wait(p_free)      # warpgroup 1 is done with the previous P, alpha
+        p_smem.transpose((1, 0))[...] = p.astype(dtype)
+        alpha_smem[...] = alpha
+        m_smem[...] = m_new
+        l_smem[...] = l_new
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(p_ready)
+
+      @pl.loop(0, n_steps, init_carry=acc)
+      def acc(i, acc):
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(kv_bar.at[slot])
+        if quantized:
+          # Convert the fp8 nope block exactly to q's dtype in `key_tile` (the scale stays
+          # out: it multiplies the scores and the softmax weights). The previous block's
+          # products must be done before it is overwritten, and both halves converted
+          # before the score product reads it.
+          sync_compute()
+          for c in range(half // CONVERT_COLS):
+            chunk = pl.ds(wg * half + c * CONVERT_COLS, CONVERT_COLS)
+            x = plgpu.load(kv_smem.at[slot, :, chunk], layout=plgpu.Layout.WGMMA)
+            # e4m3 -> bf16 has no conversion instruction on sm_90: through float32, exact.
+            key_tile.at[:, chunk][...] = x.astype(F32).astype(dtype)
+          plgpu.commit_smem()
+          sync_compute()
+
+          @pl.when(wg == 1)
+          def _():
+            plgpu.barrier_arrive(free_bar.at[slot])
+
+        @pl.when(wg == 0)
+        def _():
+          softmax(i, slot)
+
+        @pl.when(wg == 1)
+        def _():
+          plgpu.barrier_wait(p_ready)
+        alpha = plgpu.load(alpha_smem, layout=col_vec)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+        acc = accumulate(acc, slot)
+
+        @pl.when(wg == 1)
+        def _():
+          plgpu.barrier_arrive(p_free)
+        if not quantized:
+          plgpu.barrier_arrive(free_bar.at[slot])
+        return acc
+
+      @pl.when(wg == 0)
+      def _():
+        @pl.when(n_steps > 0)
+        def _():
+          plgpu.barrier_wait(p_free)      # observe warpgroup 1's last release
+        m_i = plgpu.load(m_smem, layout=col_vec)
+        l_i = plgpu.load(l_smem, layout=col_vec)
+        has = l_i > 0
+        alpha_smem[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2,
+                                    -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(alpha_smem, lse_ref.at[b, sp])
+
+      sync_compute()
+      l_all = plgpu.load(l_smem, layout=col_vec)
+      has = l_all > 0
+      inv = jnp.where(has, 1.0 / jnp.where(has, l_all, 1.0), 0.0)
+      out = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
+      o_smem.at[col0][...] = out.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem.at[col0], out_ref.at[b, sp, col0])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      if not interpret:
+        plgpu.set_max_registers(40, action="decrease")
+
+      def load(i):
+        slot = lax.rem(i, stages)
+        start = (first + i) * BLOCK_KV
+        for c in range(copies):
+          position = start + c * rows_per_copy
+          page = pt_ref[b, jnp.minimum(lax.div(position, page_size), P - 1)]
+          row = page * page_size + lax.rem(position, page_size)
+          dst = pl.ds(c * rows_per_copy, rows_per_copy)
+          if quantized:
+            plgpu.copy_gmem_to_smem(nope_ref.at[pl.ds(row, rows_per_copy)],
+                                    kv_smem.at[slot, dst], kv_bar.at[slot])
+            plgpu.copy_gmem_to_smem(rope_ref.at[pl.ds(row, rows_per_copy)],
+                                    rope_smem.at[slot, dst], kv_bar.at[slot])
+            plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(row, rows_per_copy)],
+                                    scale_smem.at[slot, dst], kv_bar.at[slot])
+          else:
+            plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, rows_per_copy)],
+                                    kv_smem.at[slot, dst], kv_bar.at[slot])
+
+      @pl.loop(0, n_steps)
+      def _(i):
+        slot = lax.rem(i, stages)
+
+        @pl.when(i >= stages)
+        def _():
+          plgpu.barrier_wait(free_bar.at[slot])
+        load(i)
+
+      # Observe the last blocks' releases too, so that every barrier phase is consumed
+      # when the program ends (the interpreter checks it; on the GPU it costs nothing).
+      @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
+      def _(i):
+        plgpu.barrier_wait(free_bar.at[lax.rem(i, stages)])
+
+  per_block = 3 * copies if quantized else copies
+  if quantized:
+    smem = [
+        plgpu.SMEM((N, W), dtype, transforms=tile),
+        plgpu.SMEM((stages, BLOCK_KV, R), FP8_E4M3, transforms=fp8_tile),
+        plgpu.SMEM((stages, BLOCK_KV, Rr), dtype, transforms=tile),
+        plgpu.SMEM((stages, BLOCK_KV), F32),
+        plgpu.SMEM((BLOCK_KV, R), dtype, transforms=tile),
+    ]
+  else:
+    smem = [
+        plgpu.SMEM((N, W), dtype, transforms=tile),
+        plgpu.SMEM((stages, BLOCK_KV, W), dtype, transforms=tile),
+    ]
+  smem += [
+      plgpu.SMEM((N, BLOCK_KV), dtype, transforms=tile),   # P (N x 64 tokens)
+      plgpu.SMEM((R, N), dtype),                           # out^T staging
+      plgpu.SMEM((N,), F32),                               # alpha, then lse
+      plgpu.SMEM((N,), F32),                               # running max
+      plgpu.SMEM((N,), F32),                               # running sum
+  ]
+  barriers = [
+      plgpu.Barrier(num_arrivals=1),                              # q
+      plgpu.Barrier(num_arrivals=per_block, num_barriers=stages),  # KV block landed
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),          # KV stage free
+      plgpu.Barrier(num_arrivals=2),                              # both compute warpgroups
+      plgpu.Barrier(num_arrivals=1),                              # P ready (wg 0 -> 1)
+      plgpu.Barrier(num_arrivals=1),                              # P free (wg 1 -> 0)
+  ]
+  return plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((B, splits, R, N), dtype),
+                jax.ShapeDtypeStruct((B, splits, N), F32)),
+      scratch_types=smem + barriers,
+      grid=(splits, B),
+      grid_names=("s", "b"),
+      num_threads=3,
+      thread_name="wg",
+      kernel_name="mla_decode_narrow_pth" if quantized else "mla_decode_narrow",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=common.interpret_params() if interpret else None,
+  )
