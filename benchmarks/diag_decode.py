@@ -49,8 +49,12 @@ def main():
     f = jax.jit(lambda layer, q, t, n, config=config: kernel.mla_decode(
         layer, q, t, n, sm_scale=0.07, page_size=cfg.page_size, kv_lora_rank=512, config=config))
     bd = {}
-    us, _, method = bench.time_per_call(lambda st: (*st[:4], f(*st[:4])),
-                                        (layer, q, table, lens, None), args.iters, bd)
+    try:
+      us, _, method = bench.time_per_call(lambda st: (*st[:4], f(*st[:4])),
+                                          (layer, q, table, lens, None), args.iters, bd)
+    except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
+      print(f"{name:20s} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+      continue
     nbytes = B * ctx * cfg.row_bytes
     kern = {k: v for k, v in bd.items() if "mla_decode" in k}
     print(f"{name:20s} {us:9.2f} us  {nbytes / us / 1e3:7.1f} GB/s  kernels: "
