@@ -3,10 +3,13 @@
 A `ShardedLayout` says how the per-layer buffers spread over one axis of a mesh;
 `init_sharded_cache(config, layout)` builds a `ShardedMLAKVCache` (the plain
 `MLAKVCache` of global arrays plus the static layout), and this module's ops take
-it. Each op runs the ordinary op of `jax_mla_cache.dispatch` (or of `offload`)
-on every shard under `jax.shard_map(..., check_vma=False)`, so the XLA scatter or
-the Pallas kernel updates each device's shard in place; the ops are jitted with
-the cache donated and keep every buffer's sharding.
+it. Each op runs the ordinary op (`jax_mla_cache.dispatch`, `rope_write`,
+`attention`, `offload`) on every shard under `jax.shard_map(..., check_vma=False)`,
+so the XLA scatter or the Pallas kernel updates each device's shard in place; the
+ops are jitted, donate the cache where they return it, and keep every buffer's
+sharding. The ops that run an unsharded public op are generated from one table,
+`OPS` (`ShardedOp`: the op, how each array argument and result spreads over a
+layout, one layer or all); the host-offload pair is written out below it.
 
 Layouts (`world` = size of `layout.axis`; `rows` = the logical config's rows):
 
