@@ -560,12 +560,12 @@ def _program(op: ShardedOp, cache: ShardedMLAKVCache, arrays: dict[str, Any],
   return results if len(results) > 1 else results[0]
 
 
-def _sharded_signature(local: Callable, drop: tuple[str, ...] = ()) -> inspect.Signature:
+def _sharded_signature(local: Callable) -> inspect.Signature:
   """`local`'s signature with `cache` (and the returned cache) a `ShardedMLAKVCache`."""
   signature = inspect.signature(local)
   parameters = [
       p.replace(annotation="ShardedMLAKVCache") if p.name == "cache" else p
-      for p in signature.parameters.values() if p.name not in drop
+      for p in signature.parameters.values()
   ]
   ret = signature.return_annotation
   if isinstance(ret, str):
