@@ -110,7 +110,11 @@ def _lengths_to_int32(lengths: Any, max_len: int) -> jax.Array:
     return jnp.clip(lengths, 0, max_len).astype(jnp.int32)
 
 
-def _check_decode_args(cache: MLAKVCache, q, page_table, seq_lens, op: str):
+def check_decode_args(cache: MLAKVCache, q, page_table, seq_lens, op: str):
+  """Check `mla_decode`'s arrays against `cache.config` (only its geometry is read) and
+  return (page_table int32 (B, P), seq_lens int32 (B,)): page ids outside int32 become -1
+  (masked), lengths are clamped to [0, P * page_size] in their own width. Run it on host
+  values before a jit: inside one a numpy int64 array is already narrowed to int32."""
   cfg = cache.config
   if not hasattr(q, "shape") or not hasattr(q, "dtype"):
     raise TypeError(f"{op}: q must be an array, got {type(q).__name__}")
@@ -143,7 +147,7 @@ def _check_decode_args(cache: MLAKVCache, q, page_table, seq_lens, op: str):
 def _mla_decode(cache, layer_id, q, page_table, seq_lens, *, sm_scale, implementation=None):
   op = "mla_decode"
   cfg = cache.config
-  page_table, seq_lens = _check_decode_args(cache, q, page_table, seq_lens, op)
+  page_table, seq_lens = check_decode_args(cache, q, page_table, seq_lens, op)
   args = dict(sm_scale=sm_scale, page_size=cfg.page_size, kv_lora_rank=cfg.kv_lora_rank)
 
   def attend(backend, buffers, q, page_table, seq_lens):
@@ -189,7 +193,7 @@ def mla_decode(
     sequence sees positions `0 .. seq_lens - s_q + j`; one with none visible gets out 0
     and lse -inf.
   """
-  dispatch._check_cache(cache, "mla_decode")
+  dispatch.check_cache(cache, "mla_decode")
   layer_id = dispatch.check_layer_id(cache, layer_id, "mla_decode")
   if isinstance(sm_scale, jax.core.Tracer):
     raise TypeError("mla_decode: sm_scale must be a Python float (static), got a traced value")
@@ -200,6 +204,6 @@ def mla_decode(
         from None
   # Host integers are range-checked here, in their own width: inside the jit a numpy
   # int64 array would already have been narrowed to int32 (2**32 + 5 -> 5).
-  page_table, seq_lens = _check_decode_args(cache, q, page_table, seq_lens, "mla_decode")
+  page_table, seq_lens = check_decode_args(cache, q, page_table, seq_lens, "mla_decode")
   return _mla_decode(cache, layer_id, q, page_table, seq_lens, sm_scale=sm_scale,
                      implementation=implementation)

@@ -213,7 +213,7 @@ def _public(jitted: Callable) -> Callable:
 
   @functools.wraps(jitted)
   def op(cache, *args, **kwargs):
-    _check_cache(cache, name)
+    check_cache(cache, name)
     bound = bind_arguments(signature, cache, name, (cache, *args), kwargs)
     return jitted(*bound.args, **bound.kwargs)
 
@@ -223,7 +223,8 @@ def _public(jitted: Callable) -> Callable:
 
 
 # ----------------------------------------------------------------- validation
-def _check_cache(cache: Any, op: str) -> None:
+def check_cache(cache: Any, op: str) -> None:
+  """Raise a TypeError naming `op` unless `cache` is an `MLAKVCache`."""
   if not isinstance(cache, MLAKVCache):
     raise TypeError(f"{op}: cache must be an MLAKVCache, got {type(cache).__name__}")
 
@@ -353,7 +354,7 @@ def _set_mla_kv_buffer(
       kv = kv.at[loc].set(jnp.concatenate([nope, rope], -1).astype(kv.dtype))
   """
   op = "set_mla_kv_buffer"
-  _check_cache(cache, op)
+  check_cache(cache, op)
   cfg = cache.config
   layer_id = check_layer_id(cache, layer_id, op)
   loc = check_loc(loc, "loc", op)
@@ -382,7 +383,7 @@ def _set_kv_buffer(
   sanitize=sanitize)`.
   """
   op = "set_kv_buffer"
-  _check_cache(cache, op)
+  check_cache(cache, op)
   cfg = cache.config
   layer_id = check_layer_id(cache, layer_id, op)
   loc = check_loc(loc, "loc", op)
@@ -414,7 +415,7 @@ def _get_mla_kv_buffer(
     (nope (T, 1, kv_lora_rank), rope (T, 1, qk_rope_head_dim)) in dst_dtype.
   """
   op = "get_mla_kv_buffer"
-  _check_cache(cache, op)
+  check_cache(cache, op)
   cfg = cache.config
   layer_id = check_layer_id(cache, layer_id, op)
   loc = check_loc(loc, "loc", op)
@@ -433,7 +434,9 @@ def _get_mla_kv_buffer(
 
 
 # ----------------------------------------------------------------- moves
-def _check_pair(tgt: Any, src: Any, op: str, names=("tgt_loc", "src_loc")):
+def check_pair(tgt: Any, src: Any, op: str, names=("tgt_loc", "src_loc")):
+  """The (target, source) index arrays of a move, each through `check_loc`: two int32 (T,)
+  arrays of one length. `names` are the parameter names the errors quote."""
   tgt = check_loc(tgt, names[0], op)
   src = check_loc(src, names[1], op)
   if tgt.shape != src.shape:
@@ -458,8 +461,8 @@ def _move_kv_cache(
   out-of-range index are skipped; empty is a no-op. Donates `cache`.
   """
   op = "move_kv_cache"
-  _check_cache(cache, op)
-  tgt, src = _check_pair(tgt_loc, src_loc, op)
+  check_cache(cache, op)
+  tgt, src = check_pair(tgt_loc, src_loc, op)
   if tgt.shape[0] == 0:
     return cache
 
@@ -484,8 +487,8 @@ def _move_kv_pages(
   pages not wholly inside the buffer are skipped. vLLM's copy_blocks. Donates `cache`.
   """
   op = "move_kv_pages"
-  _check_cache(cache, op)
-  tgt, src = _check_pair(tgt_pages, src_pages, op, ("tgt_pages", "src_pages"))
+  check_cache(cache, op)
+  tgt, src = check_pair(tgt_pages, src_pages, op, ("tgt_pages", "src_pages"))
   if tgt.shape[0] == 0:
     return cache
   page_size = cache.config.page_size

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mla_cache import reference
-from jax_mla_cache.dispatch import _check_cache, check_loc, host_indices
+from jax_mla_cache.dispatch import check_cache, check_loc, host_indices
 from jax_mla_cache.state import MLAKVCache
 
 OFFLOAD_CHUNK_TOKENS = 1024
@@ -101,7 +101,10 @@ def _host_sharding(buf: jax.Array, memory_kind: str | None):
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size",))
-def _gather_chunks(cache: MLAKVCache, idx: jax.Array, chunk_size: int):
+def gather_chunks(cache: MLAKVCache, idx: jax.Array, chunk_size: int):
+  """Rows `idx` (T,) of every layer and buffer, in chunks of `chunk_size` tokens, on the
+  cache's devices: `chunks[layer][chunk][buffer]` of (n, 1, width), n <= chunk_size (the
+  nested layout of `HostCopy`). Out-of-range rows read as zeros."""
   bounds = _chunk_bounds(idx.shape[0], chunk_size)
   return tuple(
       tuple(tuple(reference.gather_rows(buf, idx[s:e]) for buf in layer) for s, e in bounds)
@@ -111,26 +114,28 @@ def _gather_chunks(cache: MLAKVCache, idx: jax.Array, chunk_size: int):
 
 @functools.lru_cache(maxsize=64)
 def _gather_to(out_shardings, reuse: bool):
-  """`_gather_chunks` compiled to write its outputs with `out_shardings` (host memory).
+  """`gather_chunks` compiled to write its outputs with `out_shardings` (host memory).
 
   With `reuse`, the previous copy's arrays are donated so XLA writes into them
   instead of allocating new host buffers (pinned allocation dominates a first copy).
   """
   if not reuse:
     return jax.jit(
-        _gather_chunks.__wrapped__, static_argnames=("chunk_size",), out_shardings=out_shardings
+        gather_chunks.__wrapped__, static_argnames=("chunk_size",), out_shardings=out_shardings
     )
 
   def gather_into(cache, idx, old_chunks, chunk_size):
     del old_chunks  # donated: its buffers receive the outputs
-    return _gather_chunks.__wrapped__(cache, idx, chunk_size)
+    return gather_chunks.__wrapped__(cache, idx, chunk_size)
 
   return jax.jit(gather_into, static_argnames=("chunk_size",), donate_argnames=("old_chunks",),
                  out_shardings=out_shardings)
 
 
-def _as_indices(token_indices: Any, name: str, op: str) -> jax.Array:
-  """(T,) int32 indices; 64-bit values outside int32 become -1 (skipped), never wrapped."""
+def check_token_indices(token_indices: Any, name: str, op: str) -> jax.Array:
+  """`token_indices` (a list, numpy or jax integer array) as (T,) int32 indices, the
+  errors naming `name` and `op`; 64-bit values outside int32 become -1 (skipped), never
+  wrapped (`dispatch.host_indices`, `dispatch.check_loc`)."""
   return check_loc(host_indices(token_indices), name, op)
 
 
@@ -154,8 +159,8 @@ def get_cpu_copy(
   not modified or donated.
   """
   op = "get_cpu_copy"
-  _check_cache(cache, op)
-  idx = _as_indices(token_indices, "token_indices", op)
+  check_cache(cache, op)
+  idx = check_token_indices(token_indices, "token_indices", op)
   if chunk_size <= 0:
     raise ValueError(f"{op}: chunk_size must be positive, got {chunk_size}")
   tokens = int(idx.shape[0])
@@ -180,7 +185,7 @@ def get_cpu_copy(
       for layer in cache.buffers
   )
   if memory_kind is None:
-    chunks = _gather_chunks(cache, idx, chunk_size=chunk_size)
+    chunks = gather_chunks(cache, idx, chunk_size=chunk_size)
   elif reuse is None or reuse.stacked:
     chunks = _gather_to(out_shardings, False)(cache, idx, chunk_size=chunk_size)
   else:
@@ -236,7 +241,9 @@ def _scatter_stacked_chunk(cache: MLAKVCache, kinds, idx: jax.Array, start: int,
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
-def _scatter_chunks(cache: MLAKVCache, chunks, idx: jax.Array) -> MLAKVCache:
+def scatter_chunks(cache: MLAKVCache, chunks, idx: jax.Array) -> MLAKVCache:
+  """Write nested chunks (`gather_chunks`' layout, host or device memory) into rows
+  `idx` (T,) of every layer and buffer (donates `cache`); out-of-range rows are skipped."""
   chunk_size = chunks[0][0][0].shape[0] if chunks and chunks[0] else 1
   bounds = _chunk_bounds(idx.shape[0], chunk_size)
   new_layers = []
@@ -261,8 +268,8 @@ def load_cpu_copy(
   copied out). Out-of-range indices are skipped.
   """
   op = "load_cpu_copy"
-  _check_cache(cache, op)
-  idx = _as_indices(token_indices, "token_indices", op)
+  check_cache(cache, op)
+  idx = check_token_indices(token_indices, "token_indices", op)
   check_host_copy(cache, host_copy, idx, op)
   if idx.shape[0] == 0:
     return cache
@@ -276,7 +283,7 @@ def load_cpu_copy(
     for (start, stop), kinds in zip(bounds, chunks):
       cache = _scatter_stacked_chunk(cache, kinds, idx, start=start, stop=stop)
     return cache
-  return _scatter_chunks(cache, host_copy.chunks, idx)
+  return scatter_chunks(cache, host_copy.chunks, idx)
 
 
 def check_host_copy(cache: MLAKVCache, host_copy: HostCopy, idx: jax.Array, op: str) -> None:

@@ -3,10 +3,13 @@
 A `ShardedLayout` says how the per-layer buffers spread over one axis of a mesh;
 `init_sharded_cache(config, layout)` builds a `ShardedMLAKVCache` (the plain
 `MLAKVCache` of global arrays plus the static layout), and this module's ops take
-it. Each op runs the ordinary op of `jax_mla_cache.dispatch` (or of `offload`)
-on every shard under `jax.shard_map(..., check_vma=False)`, so the XLA scatter or
-the Pallas kernel updates each device's shard in place; the ops are jitted with
-the cache donated and keep every buffer's sharding.
+it. Each op runs the ordinary op (`jax_mla_cache.dispatch`, `rope_write`,
+`attention`, `offload`) on every shard under `jax.shard_map(..., check_vma=False)`,
+so the XLA scatter or the Pallas kernel updates each device's shard in place; the
+ops are jitted, donate the cache where they return it, and keep every buffer's
+sharding. The ops that run an unsharded public op are generated from one table,
+`OPS` (`ShardedOp`: the op, how each array argument and result spreads over a
+layout, one layer or all); the host-offload pair is written out below it.
 
 Layouts (`world` = size of `layout.axis`; `rows` = the logical config's rows):
 
@@ -51,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -62,6 +66,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_mla_cache import attention, dispatch, offload, reference, rope_write
 from jax_mla_cache.config import MLACacheConfig
+from jax_mla_cache.dispatch import Implementation  # noqa: F401 (the generated ops' annotations)
 from jax_mla_cache.state import MLAKVCache, init_cache
 
 LayoutKind = Literal["data_parallel", "pipeline", "replicated", "context_parallel"]
@@ -245,15 +250,9 @@ def _check_sharded(cache: Any, op: str) -> None:
 def _check_tokens(layout: ShardedLayout, tokens: int, name: str, op: str) -> None:
   if layout.kind == "data_parallel" and tokens % layout.world:
     raise ValueError(
-        f"{op}: data_parallel splits {name} over {layout.world} ranks, so its length must "
-        f"be a multiple of {layout.world}, got {tokens}"
+        f"{op}: data_parallel splits {name} over {layout.world} ranks along its first "
+        f"dimension, so that must be a multiple of {layout.world}, got {tokens}"
     )
-
-
-def _shard_map(layout: ShardedLayout, body: Callable, in_specs, out_specs) -> Callable:
-  return jax.shard_map(
-      body, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-  )
 
 
 def _local_cache(layout: ShardedLayout, storage: MLACacheConfig, buffers) -> MLAKVCache:
@@ -284,199 +283,168 @@ def _combine_owned(x: jax.Array, axis: str) -> jax.Array:
   return lax.bitcast_convert_type(lax.psum(bits, axis), x.dtype)
 
 
-def _public(jitted: Callable, *, per_layer: bool) -> Callable:
-  """The public op: checks and normalizes the arguments (`dispatch.bind_arguments`: a
-  static int layer_id, 64-bit host indices narrowed without wrapping, the implementation
-  order), then runs `jitted`; a pipeline cache runs it on the stage of `layer_id`
-  (`per_layer`) or on every stage."""
-  name = jitted.__name__
-  signature = inspect.signature(jitted)
-
-  @functools.wraps(jitted)
-  def op(cache, *args, **kwargs):
-    _check_sharded(cache, name)
-    bound = dispatch.bind_arguments(signature, cache.cache, name, (cache, *args), kwargs)
-    args, kwargs = bound.args[1:], bound.kwargs
-    if cache.layout.kind != "pipeline":
-      return jitted(cache, *args, **kwargs)
-    layer_num = cache.cache.config.layer_num
-    if per_layer:
-      layer_id = args[0]
-      stage = cache.layout.stage_of(layer_id, layer_num)
-      view = stage_view(cache, stage)
-      local_id = layer_id - cache.layout.stage_layers(stage, layer_num).start
-      rest = tuple(_to_stage(view, a) for a in args[1:])
-      out = jitted(view, local_id, *rest, **kwargs)
-      if isinstance(out, tuple) and out and isinstance(out[0], ShardedMLAKVCache):
-        return (with_stage(cache, stage, out[0]), *out[1:])  # (cache, q_out)
-      return with_stage(cache, stage, out) if isinstance(out, ShardedMLAKVCache) else out
-    for stage in _stages(cache):
-      view = stage_view(cache, stage)
-      view = jitted(view, *(_to_stage(view, a) for a in args), **kwargs)
-      cache = with_stage(cache, stage, view)
-    return cache
-
-  op.jitted = jitted
-  return op
+# How an op's array arguments spread over the layout (`ShardedOp.arguments`):
+SLOTS = "slots"
+"""(T,) row indices, laid out like TOKENS. context_parallel: logical rows; each shard sees
+the rows it owns as its local rows and the others as -1 (skipped)."""
+PAGES = "pages"
+"""(T,) page ids, laid out like TOKENS; no translation (context_parallel: page p is local
+page p of every rank)."""
+TOKENS = "tokens"
+"""Per-token or per-sequence values, first dimension T (or B): split along the axis
+(data_parallel) or replicated (the other layouts)."""
+REPLICATED = "replicated"
+"""The same array on every rank, whatever the layout (a RoPE table)."""
+# What an op's results are (`ShardedOp.results`):
+CACHE = "cache"
+"""The updated buffers: the op returns the sharded cache."""
+GATHERED = "gathered"
+"""Rows read at the op's SLOTS, laid out like TOKENS. context_parallel: every rank reads
+the rows it owns (the others read as zeros, SPEC: out-of-range reads are zeros) and the
+ranks' results are summed bit-exactly (`_combine_owned`)."""
+# A TOKENS result is laid out like the TOKENS arguments; every rank computes its own part
+# (data_parallel) or the whole (the other layouts).
 
 
-# ----------------------------------------------------------------- writes and reads
-_WRITE_INPUTS = {
-    "set_mla_kv_buffer": (("cache_k_nope", "kv_lora_rank"), ("cache_k_rope", "qk_rope_head_dim")),
-    "set_kv_buffer": (("cache_k", "kv_cache_dim"),),
-}
+def _per_shard(layout: ShardedLayout, storage: MLACacheConfig, run: Callable,
+               arguments: dict[str, str], results: tuple[str, ...], *,
+               logical_slots: bool = False) -> Callable:
+  """`run` on every shard, under `jax.shard_map(..., check_vma=False)`.
 
-
-def _write(cache, op, layer_id, loc, values, implementation, sanitize):
-  layout, storage = cache.layout, cache.cache
-  layer_id = dispatch.check_layer_id(storage, layer_id, op)
-  loc = dispatch.check_loc(loc, "loc", op)
-  tokens = loc.shape[0]
-  _check_tokens(layout, tokens, "loc", op)
-  values = tuple(
-      dispatch.check_rows_input(v, name, tokens, getattr(storage.config, width), op)
-      for v, (name, width) in zip(values, _WRITE_INPUTS[op])
-  )
-  local_op = getattr(dispatch, op)
-  rows = storage.config.rows
-
-  def body(layer, loc, *values):
-    local = _local_cache(layout, storage.config, (layer,))
-    local = local_op(local, 0, _to_local(layout, loc, rows), *values,
-                     implementation=implementation, sanitize=sanitize)
-    return local.layer(0)
-
-  spec, token = layout.buffer_spec, layout.token_spec
-  in_specs = (spec, token) + (token,) * len(values)
-  new = _shard_map(layout, body, in_specs, spec)(storage.layer(layer_id), loc, *values)
-  return cache.replace(storage.replace_layer(layer_id, new))
-
-
-@functools.partial(
-    jax.jit, static_argnames=("layer_id", "implementation", "sanitize"),
-    donate_argnames=("cache",)
-)
-def set_mla_kv_buffer(
-    cache: ShardedMLAKVCache,
-    layer_id: int,
-    loc: jax.Array,
-    cache_k_nope: jax.Array,
-    cache_k_rope: jax.Array,
-    *,
-    implementation: dispatch.Implementation = None,
-    sanitize: bool = False,
-) -> ShardedMLAKVCache:
-  """`dispatch.set_mla_kv_buffer` on a sharded cache (donates `cache`).
-
-  loc (T,): rows as the layout defines them (module docstring); cache_k_nope
-  (T, 1, R), cache_k_rope (T, 1, Rr), split or replicated like `loc`.
+  The returned function takes `(buffers, *arrays)`: a tuple of layers of global arrays
+  and one array (or pytree) per entry of `arguments` (name -> SLOTS, PAGES, TOKENS or
+  REPLICATED, in that order). Each shard calls `run(local, **arrays)` with its buffers as an
+  ordinary `MLAKVCache` (storage geometry `layout.shard_config(storage)`) and its part of
+  the arrays, SLOTS made shard-local (`_to_local`) unless `logical_slots`. `run` returns one
+  value per entry of `results` (CACHE: the local cache; TOKENS, GATHERED: arrays or pytrees);
+  the function returns them laid out over the mesh (CACHE: the new tuple of layers).
   """
-  return _write(cache, "set_mla_kv_buffer", layer_id, loc, (cache_k_nope, cache_k_rope),
-                implementation, sanitize)
+  rows = storage.rows
+  names = tuple(arguments)
+  spec = {SLOTS: layout.token_spec, PAGES: layout.token_spec, TOKENS: layout.token_spec,
+          REPLICATED: P(), CACHE: layout.buffer_spec, GATHERED: layout.token_spec}
+
+  def body(buffers, *values):
+    local = _local_cache(layout, storage, buffers)
+    values = {
+        name: _to_local(layout, x, rows) if arguments[name] == SLOTS and not logical_slots else x
+        for name, x in zip(names, values)
+    }
+    outs = run(local, **values)
+    combine = layout.kind == "context_parallel"
+    return tuple(
+        out.buffers if kind == CACHE
+        else jax.tree.map(lambda x: _combine_owned(x, layout.axis), out)
+        if kind == GATHERED and combine else out
+        for kind, out in zip(results, outs, strict=True)
+    )
+
+  in_specs = (layout.buffer_spec,) + tuple(spec[arguments[name]] for name in names)
+  out_specs = tuple(spec[kind] for kind in results)
+  return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=False)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("layer_id", "implementation", "sanitize"),
-    donate_argnames=("cache",)
-)
-def set_kv_buffer(
-    cache: ShardedMLAKVCache,
-    layer_id: int,
-    loc: jax.Array,
-    cache_k: jax.Array,
-    *,
-    implementation: dispatch.Implementation = None,
-    sanitize: bool = False,
-) -> ShardedMLAKVCache:
-  """`dispatch.set_kv_buffer` on a sharded cache: whole rows cache_k (T, 1, R+Rr)."""
-  return _write(cache, "set_kv_buffer", layer_id, loc, (cache_k,), implementation, sanitize)
+# ----------------------------------------------------------------- the table of ops
+@dataclasses.dataclass(frozen=True)
+class ShardedOp:
+  """One op of this module: the unsharded op it runs on every shard and how its arguments
+  and results spread over a layout. `sharded_op` generates the public function from it.
 
-
-@functools.partial(
-    jax.jit, static_argnames=("layer_id", "is_neox", "q_out_dtype", "sanitize", "implementation"),
-    donate_argnames=("cache",)
-)
-def rope_set_mla_kv_buffer(
-    cache: ShardedMLAKVCache,
-    layer_id: int,
-    loc: jax.Array,
-    positions: jax.Array,
-    q_nope: jax.Array,
-    q_rope: jax.Array,
-    k_nope: jax.Array,
-    k_rope: jax.Array,
-    cos_sin_cache: jax.Array,
-    *,
-    is_neox: bool = False,
-    q_out_dtype: Any = None,
-    sanitize: bool = False,
-    implementation: dispatch.Implementation = None,
-) -> tuple[ShardedMLAKVCache, jax.Array]:
-  """`rope_write.rope_set_mla_kv_buffer` on a sharded cache (donates `cache`).
-
-  Every shard writes its rows (as `set_mla_kv_buffer`); q_out (T, H, R+Rr) follows the
-  token layout: split along the axis (data_parallel) or replicated (the others, where
-  every rank computes it). cos_sin_cache is replicated.
+  Attributes:
+    local: the unsharded public op (`jax_mla_cache.set_mla_kv_buffer`, ...). The sharded op
+      takes its parameters (`cache` a `ShardedMLAKVCache`), carries its docstring below
+      `doc`, and calls it on every shard: `local(shard, [0,] **arrays, **static)`, with the
+      shard's one layer (`per_layer`) or all its layers as an ordinary `MLAKVCache`.
+    arguments: the array parameters, name -> SLOTS, PAGES, TOKENS or REPLICATED (module
+      constants). The first one's first dimension is the batch that data_parallel splits.
+      Every other parameter but `cache` is static (jit-static, hashable).
+    results: what `local` returns, one kind per value: CACHE, TOKENS or GATHERED.
+    per_layer: the op touches layer `layer_id` only (a pipeline cache runs it on that
+      layer's stage); otherwise every layer (a pipeline cache runs it on every stage).
+    donates: whether the op donates `cache` (every op that returns it).
+    doc: what the sharded op adds to the unsharded op's documentation.
+    check: `check(config, arrays, static, op) -> arrays`: validates and normalizes the
+      arrays against the logical config at trace time, before the shard_map (which would
+      otherwise fail on a wrong shape with a less clear message).
+    prepare: `prepare(cache, arguments)`: host-side checks before the jit, updating
+      `arguments` in place (what a trace would lose: 64-bit host integers, a traced
+      static).
+    context_parallel: a replacement for `local` on context_parallel layouts, called as
+      `fn(layout, storage_config, shard, **arrays, **static)` with logical SLOTS; or a
+      string: why context_parallel is refused (NotImplementedError).
   """
-  op = "rope_set_mla_kv_buffer"
-  layout, storage = cache.layout, cache.cache
-  layer_id = dispatch.check_layer_id(storage, layer_id, op)
-  loc, positions, q_nope, q_rope, k_nope, k_rope, table, out_dtype = rope_write.check_inputs(
-      cache.config, loc, positions, q_nope, q_rope, k_nope, k_rope, cos_sin_cache, q_out_dtype)
-  _check_tokens(layout, loc.shape[0], "loc", op)
-  rows = storage.config.rows
 
-  def body(layer, loc, *values):
-    local = _local_cache(layout, storage.config, (layer,))
-    local, q_out = rope_write.rope_set_mla_kv_buffer(
-        local, 0, _to_local(layout, loc, rows), *values, is_neox=is_neox,
-        q_out_dtype=out_dtype, sanitize=sanitize, implementation=implementation)
-    return local.layer(0), q_out
+  local: Callable
+  arguments: dict[str, str]
+  results: tuple[str, ...]
+  per_layer: bool
+  doc: str
+  check: Callable | None = None
+  prepare: Callable | None = None
+  context_parallel: Callable | str | None = None
 
-  spec, token = layout.buffer_spec, layout.token_spec
-  new, q_out = _shard_map(layout, body, (spec,) + (token,) * 6 + (P(),), (spec, token))(
-      storage.layer(layer_id), loc, positions, q_nope, q_rope, k_nope, k_rope, table)
-  return cache.replace(storage.replace_layer(layer_id, new)), q_out
+  @property
+  def name(self) -> str:
+    return self.local.__name__
+
+  @property
+  def donates(self) -> bool:
+    return CACHE in self.results
 
 
-@functools.partial(jax.jit, static_argnames=("layer_id", "dst_dtype", "implementation"))
-def get_mla_kv_buffer(
-    cache: ShardedMLAKVCache,
-    layer_id: int,
-    loc: jax.Array,
-    dst_dtype: Any = None,
-    *,
-    implementation: dispatch.Implementation = None,
-) -> tuple[jax.Array, jax.Array]:
-  """`dispatch.get_mla_kv_buffer` on a sharded cache: (nope (T,1,R), rope (T,1,Rr)),
-  split along the axis (data_parallel) or replicated (the others)."""
-  op = "get_mla_kv_buffer"
-  layout, storage = cache.layout, cache.cache
-  layer_id = dispatch.check_layer_id(storage, layer_id, op)
-  loc = dispatch.check_loc(loc, "loc", op)
-  _check_tokens(layout, loc.shape[0], "loc", op)
-  rows = storage.config.rows
+def _check_writes(*inputs: tuple[str, str]) -> Callable:
+  """`ShardedOp.check` of a write: `loc`, then (name, config width attribute) rows."""
 
-  def body(layer, loc):
-    local = _local_cache(layout, storage.config, (layer,))
-    out = dispatch.get_mla_kv_buffer(
-        local, 0, _to_local(layout, loc, rows), dst_dtype, implementation=implementation)
-    if layout.kind != "context_parallel":
-      return out
-    owned = _owned(layout, loc, rows)[:, None, None]
-    return tuple(_combine_owned(jnp.where(owned, x, jnp.zeros_like(x)), layout.axis) for x in out)
+  def check(config, arrays, static, op):
+    loc = dispatch.check_loc(arrays["loc"], "loc", op)
+    return dict(loc=loc, **{
+        name: dispatch.check_rows_input(arrays[name], name, loc.shape[0], getattr(config, width), op)
+        for name, width in inputs
+    })
 
-  spec, token = layout.buffer_spec, layout.token_spec
-  return _shard_map(layout, body, (spec, token), (token, token))(storage.layer(layer_id), loc)
+  return check
 
 
-# ----------------------------------------------------------------- moves
-def _context_parallel_move(layout, storage, local, tgt, src, implementation):
+def _check_rope_set(config, arrays, static, op):
+  names = ("loc", "positions", "q_nope", "q_rope", "k_nope", "k_rope", "cos_sin_cache")
+  *values, _ = rope_write.check_inputs(
+      config, *(arrays[name] for name in names), static["q_out_dtype"], op)
+  return dict(zip(names, values))
+
+
+def _check_loc(config, arrays, static, op):
+  return dict(loc=dispatch.check_loc(arrays["loc"], "loc", op))
+
+
+def _check_pair(config, arrays, static, op):
+  names = tuple(arrays)  # (tgt_loc, src_loc) or (tgt_pages, src_pages)
+  return dict(zip(names, dispatch.check_pair(*arrays.values(), op, names)))
+
+
+def _prepare_decode(cache: ShardedMLAKVCache, arguments: dict) -> None:
+  """mla_decode's host-side checks (`jax_mla_cache.mla_decode`), on the shard geometry."""
+  sm_scale = arguments["sm_scale"]
+  if isinstance(sm_scale, jax.core.Tracer):
+    raise TypeError("mla_decode: sm_scale must be a Python float (static), got a traced value")
+  try:
+    arguments["sm_scale"] = float(sm_scale)
+  except TypeError:
+    raise TypeError(f"mla_decode: sm_scale must be a float, got {type(sm_scale).__name__}") \
+        from None
+  shard = MLAKVCache(buffers=(), config=cache.layout.shard_config(cache.cache.config))
+  arguments["page_table"], arguments["seq_lens"] = attention.check_decode_args(
+      shard, arguments["q"], arguments["page_table"], arguments["seq_lens"], "mla_decode")
+
+
+def _context_parallel_move(layout: ShardedLayout, storage: MLACacheConfig, local: MLAKVCache,
+                           *, tgt_loc, src_loc, implementation) -> MLAKVCache:
   """Token moves with interleaved rows: pairs whose two rows share an owner move
   locally (one kernel launch); the others read their source on its owner, meet
   through one all-reduce, and are written by the target's owner. All reads
   precede all writes (snapshot semantics, as `dispatch.move_kv_cache`)."""
-  rows, world = storage.config.rows, layout.world
+  rows, world = storage.rows, layout.world
+  tgt, src = tgt_loc, src_loc
   in_range = (tgt >= 0) & (tgt < rows) & (src >= 0) & (src < rows)
   same_owner = in_range & (tgt % world == src % world)
   crossing = in_range & ~same_owner
@@ -498,69 +466,212 @@ def _context_parallel_move(layout, storage, local, tgt, src, implementation):
   ))
 
 
-def _move(cache, op, tgt, src, implementation):
+_LAYOUT_ROWS = "rows as the layout defines them (module docstring)"
+
+OPS: dict[str, ShardedOp] = {op.name: op for op in (
+    ShardedOp(
+        dispatch.set_mla_kv_buffer, dict(loc=SLOTS, cache_k_nope=TOKENS, cache_k_rope=TOKENS),
+        (CACHE,), per_layer=True, check=_check_writes(
+            ("cache_k_nope", "kv_lora_rank"), ("cache_k_rope", "qk_rope_head_dim")),
+        doc=f"loc (T,): {_LAYOUT_ROWS}; cache_k_nope (T, 1, R), cache_k_rope (T, 1, Rr) "
+            "split or replicated like `loc`."),
+    ShardedOp(
+        dispatch.set_kv_buffer, dict(loc=SLOTS, cache_k=TOKENS), (CACHE,), per_layer=True,
+        check=_check_writes(("cache_k", "kv_cache_dim")),
+        doc=f"loc (T,): {_LAYOUT_ROWS}; whole rows cache_k (T, 1, R+Rr) split or "
+            "replicated like `loc`."),
+    ShardedOp(
+        rope_write.rope_set_mla_kv_buffer,
+        dict(loc=SLOTS, positions=TOKENS, q_nope=TOKENS, q_rope=TOKENS, k_nope=TOKENS,
+             k_rope=TOKENS, cos_sin_cache=REPLICATED),
+        (CACHE, TOKENS), per_layer=True, check=_check_rope_set,
+        doc="Every shard writes its rows (as `set_mla_kv_buffer`); q_out (T, H, R+Rr) "
+            "follows the token layout: split along the axis (data_parallel) or replicated "
+            "(the others, where every rank computes it)."),
+    ShardedOp(
+        dispatch.get_mla_kv_buffer, dict(loc=SLOTS), (GATHERED, GATHERED), per_layer=True,
+        check=_check_loc,
+        doc=f"loc (T,): {_LAYOUT_ROWS}. Returns (nope (T, 1, R), rope (T, 1, Rr)), split "
+            "along the axis (data_parallel) or replicated (the others; context_parallel "
+            "combines the owners' rows through one all-reduce)."),
+    ShardedOp(
+        dispatch.move_kv_cache, dict(tgt_loc=SLOTS, src_loc=SLOTS), (CACHE,), per_layer=False,
+        check=_check_pair, context_parallel=_context_parallel_move,
+        doc=f"tgt_loc, src_loc (T,): {_LAYOUT_ROWS}. context_parallel: a pair whose rows "
+            "live on different ranks travels through one all-reduce."),
+    ShardedOp(
+        dispatch.move_kv_pages, dict(tgt_pages=PAGES, src_pages=PAGES), (CACHE,),
+        per_layer=False, check=_check_pair,
+        doc="Pages are logical pages (data_parallel: rank-local pages of each rank's pool; "
+            "context_parallel: page p is local page p of every rank, so no communication)."),
+    ShardedOp(
+        attention.mla_decode, dict(q=TOKENS, page_table=TOKENS, seq_lens=TOKENS),
+        (TOKENS, TOKENS), per_layer=True, prepare=_prepare_decode,
+        context_parallel=(
+            "mla_decode: context_parallel caches interleave a sequence's rows over the ranks; "
+            "combining the ranks' partial attention is not implemented (use data_parallel, "
+            "replicated or pipeline layouts)"),
+        doc="Each shard attends its own sequences. data_parallel: q (B, s_q, H, R+Rr), "
+            "page_table (B, P) and seq_lens (B,) are a global batch split along the axis "
+            "(B % world == 0); rank k's page ids address its own pool. replicated: every "
+            "rank computes the whole batch. pipeline: runs on `layer_id`'s stage. Returns "
+            "(out, lse) laid out like q. context_parallel raises NotImplementedError."),
+)}
+"""The ops of this module that run an unsharded op on every shard, by name."""
+
+
+def _program(op: ShardedOp, cache: ShardedMLAKVCache, arrays: dict[str, Any],
+             static: tuple[tuple[str, Any], ...]):
+  """The jitted body of `op` on a non-pipeline cache (a pipeline stage view included)."""
   layout, storage = cache.layout, cache.cache
-  names = ("tgt_loc", "src_loc") if op == "move_kv_cache" else ("tgt_pages", "src_pages")
-  tgt, src = dispatch._check_pair(tgt, src, op, names)
-  _check_tokens(layout, tgt.shape[0], names[0], op)
-  if tgt.shape[0] == 0:
+  static = dict(static)
+  # In the parameters' order (jit hands a dict back with its keys sorted).
+  arrays = {name: arrays[name] for name in op.arguments}
+  if op.check is not None:
+    arrays = op.check(cache.config, arrays, static, op.name)
+  batch = next(iter(op.arguments))
+  tokens = arrays[batch].shape[0]
+  _check_tokens(layout, tokens, batch, op.name)
+  if tokens == 0 and op.results == (CACHE,):
     return cache
+  layer = ()
+  if op.per_layer:
+    layer_id = static.pop("layer_id")
+    layer = (0,)
+    buffers = (storage.layer(layer_id),)
+  else:
+    buffers = storage.buffers
+  override = layout.kind == "context_parallel" and callable(op.context_parallel)
+  if override:
+    def run(local, **values):
+      return (op.context_parallel(layout, storage.config, local, **values, **static),)
+  else:
+    def run(local, **values):
+      out = op.local(local, *layer, **values, **static)
+      return out if len(op.results) > 1 else (out,)
+  outs = _per_shard(layout, storage.config, run, op.arguments, op.results,
+                    logical_slots=override)(buffers, *(arrays[n] for n in op.arguments))
+  results = tuple(
+      cache.replace(storage.replace_layer(layer_id, out[0]) if op.per_layer
+                    else dataclasses.replace(storage, buffers=out))
+      if kind == CACHE else out
+      for kind, out in zip(op.results, outs)
+  )
+  return results if len(results) > 1 else results[0]
 
-  def body(buffers, tgt, src):
-    local = _local_cache(layout, storage.config, buffers)
-    if op == "move_kv_cache" and layout.kind == "context_parallel":
-      return _context_parallel_move(layout, storage, local, tgt, src, implementation).buffers
-    # Pages need no translation: page p is local page p of every rank (context_parallel).
-    return getattr(dispatch, op)(local, tgt, src, implementation=implementation).buffers
 
-  spec, token = layout.buffer_spec, layout.token_spec
-  new = _shard_map(layout, body, (spec, token, token), spec)(storage.buffers, tgt, src)
-  return cache.replace(dataclasses.replace(storage, buffers=new))
-
-
-@functools.partial(jax.jit, static_argnames=("implementation",), donate_argnames=("cache",))
-def move_kv_cache(
-    cache: ShardedMLAKVCache,
-    tgt_loc: jax.Array,
-    src_loc: jax.Array,
-    *,
-    implementation: dispatch.Implementation = None,
-) -> ShardedMLAKVCache:
-  """`dispatch.move_kv_cache` on a sharded cache (every layer; donates `cache`)."""
-  return _move(cache, "move_kv_cache", tgt_loc, src_loc, implementation)
+def _sharded_signature(local: Callable) -> inspect.Signature:
+  """`local`'s signature with `cache` (and the returned cache) a `ShardedMLAKVCache`."""
+  signature = inspect.signature(local)
+  parameters = [
+      p.replace(annotation="ShardedMLAKVCache") if p.name == "cache" else p
+      for p in signature.parameters.values()
+  ]
+  ret = signature.return_annotation
+  if isinstance(ret, str):
+    ret = ret.replace("MLAKVCache", "ShardedMLAKVCache")
+  return signature.replace(parameters=parameters, return_annotation=ret)
 
 
-@functools.partial(jax.jit, static_argnames=("implementation",), donate_argnames=("cache",))
-def move_kv_pages(
-    cache: ShardedMLAKVCache,
-    tgt_pages: jax.Array,
-    src_pages: jax.Array,
-    *,
-    implementation: dispatch.Implementation = None,
-) -> ShardedMLAKVCache:
-  """`dispatch.move_kv_pages` on a sharded cache (every layer; donates `cache`).
+def _docstring(op: ShardedOp) -> str:
+  """The generated docstring: `op.doc`, how the arguments spread, the unsharded op's own."""
+  kinds = {kind: ", ".join(n for n, k in op.arguments.items() if k == kind)
+           for kind in (SLOTS, PAGES, TOKENS, REPLICATED)}
+  layers = ("one layer, `layer_id` (a pipeline cache: on that layer's stage)" if op.per_layer
+            else "every layer (a pipeline cache: every stage in turn)")
+  spread = (
+      f"Every shard runs the unsharded op on its rows of {layers}. Split along the axis "
+      "(data_parallel) or replicated (the other layouts): "
+      + ", ".join(filter(None, (kinds[SLOTS], kinds[PAGES], kinds[TOKENS]))) + "."
+      + (f" Replicated on every layout: {kinds[REPLICATED]}." if kinds[REPLICATED] else ""))
+  unsharded = inspect.cleandoc(op.local.__doc__ or "")
+  return "\n\n".join((
+      f"`jax_mla_cache.{op.name}` on a sharded cache"
+      + (" (donates `cache`)." if op.donates else " (reads `cache`, no donation)."),
+      textwrap.fill(op.doc, 88, break_on_hyphens=False),
+      textwrap.fill(spread, 88, break_on_hyphens=False),
+      f"The unsharded op, `jax_mla_cache.{op.name}`::",
+      textwrap.indent(unsharded, "    "),
+  ))
 
-  Pages are logical pages (data_parallel: rank-local pages of each rank's pool)."""
-  return _move(cache, "move_kv_pages", tgt_pages, src_pages, implementation)
+
+def sharded_op(op: ShardedOp) -> Callable:
+  """The public function of `op`: the unsharded op's parameters and a generated docstring.
+
+  It checks and normalizes the arguments (`dispatch.bind_arguments`: a static int
+  layer_id, 64-bit host indices narrowed without wrapping, the implementation order; then
+  `op.prepare`) and runs the jitted `_program` (the cache donated where the op returns
+  it); a pipeline cache runs it on the stage of `layer_id` (`op.per_layer`) or on every
+  stage.
+  """
+  name, signature = op.name, _sharded_signature(op.local)
+  jitted = jax.jit(functools.partial(_program, op), static_argnames=("static",),
+                   donate_argnames=("cache",) if op.donates else ())
+
+  def call(cache, *args, **kwargs):
+    _check_sharded(cache, name)
+    layout = cache.layout
+    if layout.kind == "context_parallel" and isinstance(op.context_parallel, str):
+      raise NotImplementedError(op.context_parallel)
+    bound = dispatch.bind_arguments(signature, cache.cache, name, (cache, *args), kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    del arguments["cache"]
+    if op.prepare is not None:
+      op.prepare(cache, arguments)
+    arrays = {n: arguments.pop(n) for n in op.arguments}
+    if layout.kind != "pipeline":
+      return jitted(cache, arrays, tuple(arguments.items()))
+    layer_num = cache.cache.config.layer_num
+    stages = [layout.stage_of(arguments["layer_id"], layer_num)] if op.per_layer else _stages(cache)
+    results = None
+    for stage in stages:
+      view = stage_view(cache, stage)
+      if op.per_layer:
+        arguments["layer_id"] -= layout.stage_layers(stage, layer_num).start
+      out = jitted(view, jax.tree.map(functools.partial(_to_stage, view), arrays),
+                   tuple(arguments.items()))
+      results = out if len(op.results) > 1 else (out,)
+      if op.results[0] == CACHE:
+        cache = with_stage(cache, stage, results[0])
+        results = (cache, *results[1:])
+    return results if len(results) > 1 else results[0]
+
+  call.__name__ = call.__qualname__ = name
+  call.__module__ = __name__
+  call.__doc__ = _docstring(op)
+  call.__signature__ = signature
+  call.__annotations__ = {p.name: p.annotation for p in signature.parameters.values()
+                          if p.annotation is not inspect.Parameter.empty}
+  call.__annotations__["return"] = signature.return_annotation
+  call.op = op
+  call.jitted = jitted
+  return call
+
+
+set_mla_kv_buffer = sharded_op(OPS["set_mla_kv_buffer"])
+set_kv_buffer = sharded_op(OPS["set_kv_buffer"])
+rope_set_mla_kv_buffer = sharded_op(OPS["rope_set_mla_kv_buffer"])
+get_mla_kv_buffer = sharded_op(OPS["get_mla_kv_buffer"])
+move_kv_cache = sharded_op(OPS["move_kv_cache"])
+move_kv_pages = sharded_op(OPS["move_kv_pages"])
+mla_decode = sharded_op(OPS["mla_decode"])
 
 
 # ----------------------------------------------------------------- host offload
+# Not rows of `OPS`: a host copy is a nested per-layer pytree in host memory (the jit writes
+# it there through `out_shardings`), a pipeline cache concatenates or splits it per stage,
+# and the one-device `get_cpu_copy`'s `reuse` has no sharded counterpart. The per-shard
+# programs are the same `_per_shard` as the table's.
 @functools.lru_cache(maxsize=64)
 def _gather_to_host(layout: ShardedLayout, storage: MLACacheConfig, chunk_size: int,
                     memory_kind: str | None) -> Callable:
-  rows = storage.rows
+  def run(local, token_indices):
+    return (offload.gather_chunks(local, token_indices, chunk_size=chunk_size),)
 
-  def body(buffers, idx):
-    local = _local_cache(layout, storage, buffers)
-    chunks = offload._gather_chunks(local, _to_local(layout, idx, rows), chunk_size=chunk_size)
-    if layout.kind == "context_parallel":  # rows a rank does not own gather as zeros
-      chunks = jax.tree.map(lambda x: _combine_owned(x, layout.axis), chunks)
-    return chunks
-
-  token = layout.token_spec
-  gather = _shard_map(layout, body, (layout.buffer_spec, token), token)
-  out = NamedSharding(layout.mesh, token, memory_kind=memory_kind)
-  return jax.jit(lambda buffers, idx: gather(buffers, idx), out_shardings=out)
+  gather = _per_shard(layout, storage, run, dict(token_indices=SLOTS), (GATHERED,))
+  out = NamedSharding(layout.mesh, layout.token_spec, memory_kind=memory_kind)
+  return jax.jit(lambda buffers, idx: gather(buffers, idx)[0], out_shardings=out)
 
 
 def get_cpu_copy(
@@ -580,7 +691,7 @@ def get_cpu_copy(
   """
   op = "get_cpu_copy"
   _check_sharded(cache, op)
-  idx = offload._as_indices(token_indices, "token_indices", op)
+  idx = offload.check_token_indices(token_indices, "token_indices", op)
   if chunk_size <= 0:
     raise ValueError(f"{op}: chunk_size must be positive, got {chunk_size}")
   layout, storage = cache.layout, cache.cache
@@ -605,15 +716,14 @@ def get_cpu_copy(
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _load_chunks(cache: ShardedMLAKVCache, chunks, idx: jax.Array) -> ShardedMLAKVCache:
   layout, storage = cache.layout, cache.cache
-  rows = storage.config.rows
   chunks = jax.device_put(chunks, jax.memory.Space.Device)
 
-  def body(buffers, chunks, idx):
-    local = _local_cache(layout, storage.config, buffers)
-    return offload._scatter_chunks(local, chunks, _to_local(layout, idx, rows)).buffers
+  def run(local, chunks, token_indices):
+    return (offload.scatter_chunks(local, chunks, token_indices),)
 
-  spec, token = layout.buffer_spec, layout.token_spec
-  new = _shard_map(layout, body, (spec, token, token), spec)(storage.buffers, chunks, idx)
+  scatter = _per_shard(layout, storage.config, run, dict(chunks=TOKENS, token_indices=SLOTS),
+                       (CACHE,))
+  (new,) = scatter(storage.buffers, chunks, idx)
   return cache.replace(dataclasses.replace(storage, buffers=new))
 
 
@@ -626,7 +736,7 @@ def load_cpu_copy(
   from this module's `get_cpu_copy` (same layout) into rows `token_indices`."""
   op = "load_cpu_copy"
   _check_sharded(cache, op)
-  idx = offload._as_indices(token_indices, "token_indices", op)
+  idx = offload.check_token_indices(token_indices, "token_indices", op)
   layout, storage = cache.layout, cache.cache
   if isinstance(host_copy, offload.HostCopy) and host_copy.stacked:
     raise ValueError(
@@ -644,57 +754,3 @@ def load_cpu_copy(
     return cache
   _check_tokens(layout, int(idx.shape[0]), "token_indices", op)
   return _load_chunks(cache, host_copy.chunks, idx)
-
-
-set_mla_kv_buffer = _public(set_mla_kv_buffer, per_layer=True)
-set_kv_buffer = _public(set_kv_buffer, per_layer=True)
-get_mla_kv_buffer = _public(get_mla_kv_buffer, per_layer=True)
-rope_set_mla_kv_buffer = _public(rope_set_mla_kv_buffer, per_layer=True)
-move_kv_cache = _public(move_kv_cache, per_layer=False)
-move_kv_pages = _public(move_kv_pages, per_layer=False)
-
-
-# ----------------------------------------------------------------- decode attention
-@functools.partial(jax.jit, static_argnames=("layer_id", "sm_scale", "implementation"))
-def _mla_decode(cache, layer_id, q, page_table, seq_lens, *, sm_scale, implementation):
-  op = "mla_decode"
-  layout, storage = cache.layout, cache.cache
-  if layout.kind == "context_parallel":
-    raise NotImplementedError(
-        f"{op}: context_parallel caches interleave a sequence's rows over the ranks; "
-        "combining the ranks' partial attention is not implemented (use data_parallel, "
-        "replicated or pipeline layouts)")
-  layer_id = dispatch.check_layer_id(storage, layer_id, op)
-  _check_tokens(layout, q.shape[0] if hasattr(q, "shape") else 0, "q's batch", op)
-
-  def body(layer, q, page_table, seq_lens):
-    local = _local_cache(layout, storage.config, (layer,))
-    return attention.mla_decode(local, 0, q, page_table, seq_lens, sm_scale=sm_scale,
-                                implementation=implementation)
-
-  spec, token = layout.buffer_spec, layout.token_spec
-  return _shard_map(layout, body, (spec, token, token, token), (token, token))(
-      storage.layer(layer_id), q, page_table, seq_lens)
-
-
-def _mla_decode_public(cache, layer_id, q, page_table, seq_lens, *, sm_scale,
-                       implementation: dispatch.Implementation = None):
-  """`jax_mla_cache.mla_decode` on a sharded cache: each shard attends its own sequences.
-
-  data_parallel: q (B, s_q, H, R+Rr), page_table (B, P) and seq_lens (B,) are a global
-  batch split along the axis (B % world == 0); rank k's page ids address its own pool.
-  replicated: every rank computes the whole batch. pipeline: runs on `layer_id`'s stage.
-  Returns (out, lse) laid out like q. context_parallel raises NotImplementedError.
-  """
-  _check_sharded(cache, "mla_decode")
-  if isinstance(sm_scale, jax.core.Tracer):
-    raise TypeError("mla_decode: sm_scale must be a Python float (static), got a traced value")
-  config = cache.layout.shard_config(cache.cache.config)
-  page_table, seq_lens = attention._check_decode_args(
-      MLAKVCache(buffers=(), config=config), q, page_table, seq_lens, "mla_decode")
-  return _public(_mla_decode, per_layer=True)(
-      cache, layer_id, q, page_table, seq_lens, sm_scale=float(sm_scale),
-      implementation=implementation)
-
-
-mla_decode = _mla_decode_public

@@ -394,3 +394,30 @@ def test_mla_decode_context_parallel_is_refused(rng):
   with pytest.raises(NotImplementedError, match="context_parallel"):
     sh.mla_decode(cache, 0, q, np.zeros((1, 2), np.int32), np.ones((1,), np.int32),
                   sm_scale=1.0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_moves_of_a_full_cache_match_unsharded_pool(kind):
+  """Every row holds distinct values, so a move in the wrong direction or to the wrong rank
+  shows (the batches of `run_ops` leave most rows zero). Overlapping pairs, one bad pair."""
+  rng = np.random.default_rng(5)
+  cache = sh.init_sharded_cache(PLAIN, layout(kind))
+  oracle = Oracle(cache)
+  cfg, ranks = cache.config, oracle.world
+  loc = np.tile(np.arange(cfg.rows, dtype=np.int32), ranks)
+  rows = rows_input(rng, len(loc), cfg.kv_cache_dim)
+  for layer_id in range(cfg.layer_num):
+    cache = sh.set_kv_buffer(cache, layer_id, loc, rows, implementation="xla")
+    oracle.set_mla(layer_id, loc, rows[..., :cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank:])
+  src = np.concatenate([rng.choice(cfg.rows, 6, replace=False) for _ in range(ranks)])
+  tgt = np.roll(src, 1).astype(np.int32)
+  tgt[2] = cfg.rows
+  cache = sh.move_kv_cache(cache, tgt, src.astype(np.int32), implementation="xla")
+  oracle.move(tgt, src)
+  oracle.assert_equal(cache)
+  pages = cfg.rows // cfg.page_size
+  src_pages = np.tile(np.array([1, 2, pages - 1], np.int32), ranks)
+  tgt_pages = np.tile(np.array([2, 3, 0], np.int32), ranks)
+  cache = sh.move_kv_pages(cache, tgt_pages, src_pages, implementation="xla")
+  oracle.move_pages(tgt_pages, src_pages)
+  oracle.assert_equal(cache)
