@@ -51,10 +51,14 @@ TOKEN_VARIANTS = {
     "direct_i32": T(path="direct", direct_items_per_thread=32, direct_max_tokens=8192),
     "rounds": T(path="direct", direct_rounds=True),  # rounds when T exceeds registers
     "two_pass": T(path="two_pass"),
+    # two-pass with every buffer in one launch per pass (the default splits 61 layers into
+    # launches of at most 8 buffers per row layout, for lowering time)
+    "two_pass_1launch": T(path="two_pass", two_pass_max_buffers=1 << 10),
     "xla": None,
 }
 SMALL_T_VARIANTS = ("default", "stream", "direct_p512", "direct_p2048", "direct_p8192", "xla")
-LARGE_T_VARIANTS = ("default", "rounds", "stream", "direct_p2048", "direct_i8", "xla")
+LARGE_T_VARIANTS = ("default", "rounds", "stream", "direct_p2048", "direct_i8", "two_pass",
+                    "two_pass_1launch", "xla")
 PTH_VARIANTS = ("default", "rounds", "two_pass", "direct_p2048", "xla")
 OVL_VARIANTS = ("default", "rounds", "stream", "xla")
 PAGE_VARIANTS = {

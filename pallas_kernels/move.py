@@ -22,8 +22,9 @@ returns a plan (not None) takes it (``MoveTiling.path`` names the first path to 
    rows up to 4096 items (``stream_index_bytes``), i.e. token moves of 1025-4096 rows and
    page moves of 17-256 pages of 64 rows (blocks of 4 rows). Not for buffer sets with
    one-element rows (whose token moves the direct path takes up to 16384).
-3. two_pass (``move_two_pass``; two launches): everything else (plain token moves above
-   4096 rows, per_token_head above 16384, page moves above 256 pages).
+3. two_pass (``move_two_pass``; two launches per batch of at most ``two_pass_max_buffers``
+   = 8 buffers of each row layout, i.e. 16 launches for 61 layers): everything else (plain
+   token moves above 4096 rows, per_token_head above 16384, page moves above 256 pages).
 
 Each path owns distinct bytes per program, so no program races another. Buffers enter the
 kernels as refs (``jax.new_ref`` / ``jax.freeze``), so the kernels alias them: under a

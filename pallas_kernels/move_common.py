@@ -62,6 +62,9 @@ class MoveTiling:
       compare (one fused XLA kernel) instead of writer counts.
     two_pass_smem_bytes: shared memory of one two-pass program (its items of one buffer).
     max_items_per_program: cap on the items one two-pass program moves.
+    two_pass_max_buffers: two-pass launches each move at most this many buffers of one
+      row layout (equal batches share one kernel: its lowering time grows faster than
+      linearly with the buffers, while the path only runs at large T).
   """
 
   path: str = "auto"
@@ -83,6 +86,7 @@ class MoveTiling:
   small_t_compare: int = 1024
   two_pass_smem_bytes: int = 64 * 1024
   max_items_per_program: int = 32
+  two_pass_max_buffers: int = 8
 
   def __post_init__(self):
     if self.path not in PATHS:
@@ -178,18 +182,21 @@ def expand_units(tgt, src, blocks: int):
 # Platform dispatch and refs
 
 
-def on_platform(fn: Callable, *args, interpret=None):
+def on_platform(fn: Callable, *args, interpret=None, cuda: Callable | None = None):
   """Calls ``fn(interpret, *args)`` (arrays in, arrays out).
 
   ``interpret=None``: per lowering platform through ``common.dispatch`` (``fn`` gets None
   for the real CUDA kernel, interpret-mode parameters elsewhere). Otherwise ``fn`` runs
   with the given interpret-mode parameters (inside another path's interpret branch).
   The CUDA branch is one jitted function, so ``common.dispatch``'s shape evaluation and
-  its CUDA branch share one trace of the kernel body.
+  its CUDA branch share one trace of the kernel body; ``cuda``, when given, is that jitted
+  ``fn(None, ...)`` (callers that launch one kernel several times pass the same one, which
+  is then traced and lowered once).
   """
   if interpret is not None:
     return fn(interpret, *args)
-  cuda = jax.jit(functools.partial(fn, None))
+  if cuda is None:
+    cuda = jax.jit(functools.partial(fn, None))
   return common.dispatch(
       lambda interpreted: (functools.partial(fn, common.interpret_params()) if interpreted
                            else cuda), *args)

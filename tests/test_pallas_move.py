@@ -140,6 +140,27 @@ def test_move_rows_disjoint_sets(wide_buffers, tiling):
   assert_bits_equal(got, model_move(wide_buffers, tgt, src))
 
 
+def test_two_pass_in_batches_matches_model(small_buffers):
+  # One buffer of each layout per launch: every batch moves its own buffers, same result.
+  rng = np.random.default_rng(11)
+  tgt, src = hostile_pairs(rng, 256, 7)
+  tiling = MoveTiling(path="two_pass", two_pass_max_buffers=1)
+  got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=tiling))(small_buffers, tgt, src)
+  assert_bits_equal(got, model_move(small_buffers, tgt, src))
+
+
+def test_two_pass_batches_share_kernels():
+  from pallas_kernels import move_two_pass
+  plain = [jax.ShapeDtypeStruct((4096, 576), jnp.bfloat16)] * 61
+  batches = move_two_pass._batches(plain, [False] * 61, 8)
+  assert [len(b) for b in batches] == [8] * 5 + [7] * 3
+  assert sorted(k for b in batches for k in b) == list(range(61))
+  # Lowered: one kernel per distinct batch size and pass (8 and 7 buffers).
+  buffers = [jax.ShapeDtypeStruct((4096, 1, 576), jnp.bfloat16)] * 61
+  text = lower_for_cuda(lambda b, t, s: move_rows(b, t, s, tiling=TWO_PASS), buffers, 40)
+  assert text.count("stablehlo.custom_call @mosaic_gpu_v2(") == 4
+
+
 def test_endangered_compare_matches_counts():
   # The all-pairs compare (small T) and the writer counts (large T) against a direct loop;
   # duplicate targets, self-moves (tgt == src) and skipped pairs (tgt = -1) included.
