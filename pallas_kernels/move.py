@@ -18,10 +18,11 @@ returns a plan (not None) takes it (``MoveTiling.path`` names the first path to 
    scale) up to ``direct_rounds_max_tokens`` = 16384 rows, in rounds above 1024 (then XLA
    computes one flag before the launch); page moves of at most ``page_direct_max_rows`` =
    1024 rows (16 pages of 64). Interpret mode (CPU) runs the next path instead.
-2. stream (``move_stream``; one launch after a few small XLA ops on the indices): plain
-   rows up to 4096 items (``stream_index_bytes``), i.e. token moves of 1025-4096 rows and
-   page moves of 17-256 pages of 64 rows (blocks of 4 rows). Not for buffer sets with
-   one-element rows (whose token moves the direct path takes up to 16384).
+2. stream (``move_stream``; one launch after a few small XLA ops on the indices): up to
+   4096 items (``stream_index_bytes``) of whole rows, i.e. plain token moves of 1025-4096
+   rows and page moves of 17-256 pages of 64 rows (items of 4 rows of 1152 bytes;
+   per_token_head pages: items of 16 rows, up to 1024 pages). Not for token moves of buffer
+   sets with one-element rows (the direct path takes those up to 16384 rows).
 3. two_pass (``move_two_pass``; two launches per batch of at most ``two_pass_max_buffers``
    = 8 buffers of each row layout, i.e. 16 launches for 61 layers): everything else (plain
    token moves above 4096 rows, per_token_head above 16384, page moves above 256 pages).

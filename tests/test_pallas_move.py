@@ -512,7 +512,7 @@ PTH = [jax.ShapeDtypeStruct((2**16 + 64, 1, 512), jnp.float8_e4m3fn),
     ("pth", 16384, 1, "rounds"), ("pth", 16385, 1, "two_pass"),
     ("plain", 1, 64, "direct"), ("plain", 16, 64, "direct"), ("plain", 17, 64, "stream"),
     ("plain", 256, 64, "stream"), ("plain", 257, 64, "two_pass"), ("pth", 16, 64, "direct"),
-    ("pth", 17, 64, "stream")])
+    ("pth", 17, 64, "stream"), ("pth", 1024, 64, "stream"), ("pth", 1025, 64, "two_pass")])
 def test_auto_path_choice(layout, count, page_size, want):
   # The order and limits of `pallas_kernels.move`'s docstring (H200 figures: README).
   buffers = PLAIN if layout == "plain" else PTH
