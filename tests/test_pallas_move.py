@@ -494,7 +494,8 @@ def test_direct_plan_bands_cover_every_row_once():
     assert max(owners.values()) < plan.programs
   no_rounds = MoveTiling(direct_rounds=False)
   assert move_direct.plan(buffers, 2048, 1, no_rounds) is None  # "auto": above 1024
-  assert move_direct.plan(buffers, 4096 * 4, 1, dataclasses.replace(DIRECT, direct_rounds=False)) is None  # registers
+  no_rounds_forced = dataclasses.replace(DIRECT, direct_rounds=False)
+  assert move_direct.plan(buffers, 4096 * 4, 1, no_rounds_forced) is None  # registers
   assert move_direct.plan(buffers, 4096, 1, MoveTiling(direct_max_tokens=4096,
                                                        direct_rounds=False)) is not None  # C=1
   assert move_direct.plan(buffers, 17, 64, MoveTiling()) is None  # pages: above 1024 rows
