@@ -8,7 +8,7 @@ and per_token_head parts (fp8 nope 512, f32 scale, bf16 rope 64) alone and toget
 T = 8 and 64 (random distinct disjoint rows). The contents are zeros: only time is measured.
 `--select=chain --select=tree`: each case for each way of finding a buffer's address.
 `--rounds`: instead, the direct path in rounds (`MoveTiling(direct_rounds=True)`) against
-the default (streamed) path at T = 2048 and 4096, 61 layers of 2**18 + 64 rows, disjoint
+the default path (streamed for plain rows, rounds for per_token_head) at T = 2048 and 4096, 61 layers of 2**18 + 64 rows, disjoint
 and overlapping (swaps) index sets. `--large`: the same at T = 8192 and 16384, rounds
 against the default (two-pass) path (`--no-default`: rounds only).
 """
@@ -52,24 +52,24 @@ def main():
   print(f"diag_moves on {jax.devices()[0].device_kind}", flush=True)
   select = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--select=")]
   if "--large" in sys.argv:  # beyond the streamed path's indices: rounds vs two-pass
-    rounds = MoveTiling(token_path="direct", direct_rounds=True)
+    rounds = MoveTiling(path="direct", direct_rounds=True)
     for tokens in (8192, 16384):
       for kinds, name in (([PLAIN], "plain"), ([NOPE, SCALE, ROPE], "per_token_head")):
         for tiling, label in ((rounds, "rounds"), (MoveTiling(), "default")):
           if label == "default" and "--no-default" in sys.argv:
-            continue  # the two-pass kernels take minutes to compile for 61 layers
+            continue  # two-pass: two launches and a few seconds of lowering
           for swaps in (False, True):
             run(f"{name} {label}{' swaps' if swaps else ''}", kinds, 61, tokens, 5, tiling,
                 2**18 + 64, swaps)
     return
   if "--rounds" in sys.argv:
-    rounds = MoveTiling(token_path="direct", direct_rounds=True,
+    rounds = MoveTiling(path="direct", direct_rounds=True,
                         direct_select=(select or ["chain"])[0])
     for tokens in (4096, 2048):
       for kinds, name in (([PLAIN], "plain"), ([NOPE, SCALE, ROPE], "per_token_head")):
         for tiling, label in ((rounds, "rounds"), (MoveTiling(), "default")):
           if tokens == 2048 and label == "default":
-            continue  # ~20 s of lowering per streamed case
+            continue  # a few seconds of lowering per streamed case
           for swaps in (False, True) if label == "rounds" else (False,):
             run(f"{name} {label}{' swaps' if swaps else ''}", kinds, 61, tokens, 10, tiling,
                 2**18 + 64, swaps)

@@ -1,12 +1,14 @@
 """pallas_kernels.move: bit-exact against a numpy model (CPU interpret mode and GPU).
 
-CPU: interpret mode runs programs one after another, so shapes are small. Every path is
-covered: the staged one-launch token move, the two-pass token move (forced with a zero
-staged budget) and page moves; overlapping index sets, skipped pairs, T=0. A deviceless
-CUDA lowering checks that the real kernels lower and alias every buffer.
+CPU: interpret mode runs programs one after another, so shapes are small. The streamed and
+two-pass paths run in interpret mode (the direct path's thread-level code has no interpret
+mode: its stand-in is the next path), token and page moves; overlapping index sets, skipped
+pairs, T=0. A deviceless CUDA lowering checks that the real kernels lower, alias every
+buffer and take the path the docstring of `pallas_kernels.move` says.
 GPU (`pytest -m gpu`): 61 layers, 2**18 + 64 rows, T up to 4096, hostile indices.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -17,19 +19,17 @@ import pytest
 import jax_mla_cache as mc
 
 import pallas_kernels
-from pallas_kernels.move import MoveTiling, move_pages, move_rows
+from pallas_kernels import move_direct
+from pallas_kernels.move import MoveTiling, choose, move_pages, move_rows
 
-TWO_PASS = MoveTiling(token_path="two_pass")
-STREAM = MoveTiling(token_path="stream")
-DIRECT = MoveTiling(token_path="direct")
-ROUNDS = MoveTiling(token_path="direct", direct_rounds=True)
-TREE = MoveTiling(token_path="direct", direct_select="tree")
-TREE_ROUNDS = MoveTiling(token_path="direct", direct_rounds=True, direct_select="tree")
-STAGED = MoveTiling(token_path="staged")
-NARROW_FIRST = MoveTiling(token_path="stream", stream_programs=4096, stream_min_chunk=4,
-                          stream_narrow_first=True)
+TWO_PASS = MoveTiling(path="two_pass")
+STREAM = MoveTiling(path="stream")
+DIRECT = MoveTiling(path="direct")
+ROUNDS = MoveTiling(path="direct", direct_rounds=True)
+TREE = MoveTiling(path="direct", direct_select="tree")
+TREE_ROUNDS = MoveTiling(path="direct", direct_rounds=True, direct_select="tree")
 # Small chunks and ring: several programs per buffer, slots reused within a chunk.
-STREAM_SMALL = MoveTiling(token_path="stream", stream_programs=4096, stream_min_chunk=4,
+STREAM_SMALL = MoveTiling(path="stream", stream_programs=4096, stream_min_chunk=4,
                           stream_slots=4, stream_lookahead=2)
 
 
@@ -105,35 +105,66 @@ def small_buffers():
   return make_buffers(np.random.default_rng(1), rows=256)
 
 
-@pytest.mark.parametrize("tiling", [None, STREAM_SMALL, NARROW_FIRST, STAGED, TWO_PASS],
-                         ids=["stream", "stream_small", "narrow_first", "staged", "two_pass"])
+@pytest.fixture(scope="module")
+def wide_buffers(small_buffers):
+  """Three row layouts, no one-element rows: what the streamed path takes."""
+  return [b for b in small_buffers if b.shape[-1] != 1]
+
+
+# default: the direct path's interpret stand-in (two-pass here, with the scale rows; the
+# streamed path on `wide_buffers`).
+@pytest.mark.parametrize("tiling", [None, STREAM_SMALL, TWO_PASS],
+                         ids=["default", "stream_small", "two_pass"])
+@pytest.mark.parametrize("wide", [False, True], ids=["all", "wide"])
 @pytest.mark.parametrize("count", [1, 7, 40])
-def test_move_rows_matches_model(small_buffers, tiling, count):
-  if tiling is not None and count == 1 or tiling in (STAGED, NARROW_FIRST) and count == 40:
-    pytest.skip("covered by the other counts")
+def test_move_rows_matches_model(small_buffers, wide_buffers, tiling, wide, count):
+  if tiling is not None and count == 1 or tiling is TWO_PASS and wide:
+    pytest.skip("covered by the other cases")
+  buffers = wide_buffers if wide else small_buffers
   rng = np.random.default_rng(count)
   tgt, src = hostile_pairs(rng, 256, count)
   kwargs = {} if tiling is None else {"tiling": tiling}
-  got = jax.jit(lambda b, t, s: move_rows(b, t, s, **kwargs))(small_buffers, tgt, src)
-  assert_bits_equal(got, model_move(small_buffers, tgt, src))
+  got = jax.jit(lambda b, t, s: move_rows(b, t, s, **kwargs))(buffers, tgt, src)
+  assert_bits_equal(got, model_move(buffers, tgt, src))
 
 
 @pytest.mark.parametrize("tiling", [None, STREAM_SMALL], ids=["stream", "stream_small"])
-def test_move_rows_disjoint_sets(small_buffers, tiling):
+def test_move_rows_disjoint_sets(wide_buffers, tiling):
   # No source is a target: the streamed path's one-pass mode (every chunk in parallel).
   rng = np.random.default_rng(5)
   perm = rng.permutation(256)
   tgt, src = perm[:30].astype(np.int32), perm[30:60].astype(np.int32)
   tgt[3], src[7] = -1, 256  # skipped pairs
   kwargs = {} if tiling is None else {"tiling": tiling}
-  got = jax.jit(lambda b, t, s: move_rows(b, t, s, **kwargs))(small_buffers, tgt, src)
+  got = jax.jit(lambda b, t, s: move_rows(b, t, s, **kwargs))(wide_buffers, tgt, src)
+  assert_bits_equal(got, model_move(wide_buffers, tgt, src))
+
+
+def test_two_pass_in_batches_matches_model(small_buffers):
+  # One buffer of each layout per launch: every batch moves its own buffers, same result.
+  rng = np.random.default_rng(11)
+  tgt, src = hostile_pairs(rng, 256, 7)
+  tiling = MoveTiling(path="two_pass", two_pass_max_buffers=1)
+  got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=tiling))(small_buffers, tgt, src)
   assert_bits_equal(got, model_move(small_buffers, tgt, src))
+
+
+def test_two_pass_batches_share_kernels():
+  from pallas_kernels import move_two_pass
+  plain = [jax.ShapeDtypeStruct((4096, 576), jnp.bfloat16)] * 61
+  batches = move_two_pass._batches(plain, [False] * 61, 8)
+  assert [len(b) for b in batches] == [8] * 5 + [7] * 3
+  assert sorted(k for b in batches for k in b) == list(range(61))
+  # Lowered: one kernel per distinct batch size and pass (8 and 7 buffers).
+  buffers = [jax.ShapeDtypeStruct((4096, 1, 576), jnp.bfloat16)] * 61
+  text = lower_for_cuda(lambda b, t, s: move_rows(b, t, s, tiling=TWO_PASS), buffers, 40)
+  assert text.count("stablehlo.custom_call @mosaic_gpu_v2(") == 4
 
 
 def test_endangered_compare_matches_counts():
   # The all-pairs compare (small T) and the writer counts (large T) against a direct loop;
   # duplicate targets, self-moves (tgt == src) and skipped pairs (tgt = -1) included.
-  from pallas_kernels.move import _endangered
+  from pallas_kernels.move_common import endangered as _endangered
   rng = np.random.default_rng(3)
   for _ in range(5):
     tgt = rng.integers(-1, 40, 64).astype(np.int32)
@@ -171,8 +202,8 @@ def test_move_rows_empty_is_noop(small_buffers):
   assert_bits_equal(got, [np.asarray(b) for b in small_buffers])
 
 
-@pytest.mark.parametrize("tiling", [None, STREAM_SMALL, TWO_PASS],
-                         ids=["stream", "stream_small", "two_pass"])
+@pytest.mark.parametrize("tiling", [None, STREAM, STREAM_SMALL, TWO_PASS],
+                         ids=["default", "stream", "stream_small", "two_pass"])
 def test_move_pages_matches_model(small_buffers, tiling):
   # 256 rows / 16 = 16 pages. Overlapping sets: a rotation 1->2->3->1, a swap, skips.
   tgt = np.array([2, 3, 1, 5, 4, 16, 7, -1, 9], np.int32)
@@ -257,24 +288,26 @@ def lower_for_cuda(fn, buffers, count):
 
 
 @pytest.mark.parametrize("kind, count, launches", [
-    ("direct", 40, 1), ("direct", 2048, 1), ("stream", 40, 1), ("staged", 40, 1),
-    ("two_pass", 40, 2), ("pages", 40, 1), ("rounds", 4096, 1), ("tree", 40, 1),
-    ("tree_rounds", 4096, 1),
-    ("pages_two_pass", 40, 2), ("pdl", 40, 1), ("narrow_first", 40, 1)])
+    ("direct", 40, 1), ("direct", 2048, 1), ("stream", 40, 1), ("stream_wide", 40, 1),
+    ("two_pass", 40, 2), ("pages", 40, 1), ("pages", 1, 1), ("rounds", 4096, 1),
+    ("tree", 40, 1), ("tree_rounds", 4096, 1), ("pages_two_pass", 40, 2), ("pdl", 40, 1)])
 def test_cuda_lowering_aliases_every_buffer(kind, count, launches):
   buffers = make_buffers(np.random.default_rng(0), rows=4096 + 64, plain_layers=3)
+  if kind == "stream":  # with one-element rows the streamed path hands over to two-pass
+    launches = 2
+  if kind == "stream_wide":
+    buffers = [b for b in buffers if b.shape[-1] != 1]
   fn = {
       "direct": move_rows,
       "rounds": lambda b, t, s: move_rows(b, t, s, tiling=ROUNDS),
       "tree": lambda b, t, s: move_rows(b, t, s, tiling=TREE),
       "tree_rounds": lambda b, t, s: move_rows(b, t, s, tiling=TREE_ROUNDS),
       "stream": lambda b, t, s: move_rows(b, t, s, tiling=STREAM),
-      "staged": lambda b, t, s: move_rows(b, t, s, tiling=STAGED),
+      "stream_wide": lambda b, t, s: move_rows(b, t, s, tiling=STREAM),
       "two_pass": lambda b, t, s: move_rows(b, t, s, tiling=TWO_PASS),
       "pages": lambda b, t, s: move_pages(b, t, s, page_size=64),
       "pages_two_pass": lambda b, t, s: move_pages(b, t, s, page_size=64, tiling=TWO_PASS),
       "pdl": lambda b, t, s: move_rows(b, t, s, pdl=True),
-      "narrow_first": lambda b, t, s: move_rows(b, t, s, tiling=NARROW_FIRST),
   }[kind]
   text = lower_for_cuda(fn, buffers, count)
   assert text.count("stablehlo.custom_call @mosaic_gpu_v2(") == launches
@@ -286,16 +319,18 @@ def test_cuda_lowering_aliases_every_buffer(kind, count, launches):
   assert main.count("tf.aliasing_output") == len(buffers)
 
 
-@pytest.mark.parametrize("count", [1, 64, 1024])
-def test_direct_path_needs_no_index_preparation(count):
-  # int32 indices go straight into the one kernel: no XLA op before it (the range checks
-  # are in the kernel), and the kernel body exists once per row layout, so 61 layers lower
-  # in well under a second (the streamed kernel takes ~20 s).
+@pytest.mark.parametrize("pages, count", [(False, 1), (False, 64), (False, 1024),
+                                          (True, 1), (True, 16)])
+def test_direct_path_needs_no_index_preparation(pages, count):
+  # int32 indices go straight into the one kernel: no XLA op before it (the range checks,
+  # and for small page moves the page -> row expansion, are in the kernel), and the kernel
+  # body exists once per row layout, so 61 layers lower in well under a second.
   buffers = [jax.ShapeDtypeStruct((2**18 + 64, 1, 576), jnp.bfloat16)] * 61
-  text = lower_for_cuda(move_rows, buffers, count)
+  fn = (lambda b, t, s: move_pages(b, t, s, page_size=64)) if pages else move_rows
+  text = lower_for_cuda(fn, buffers, count)
   main = text[text.index("func.func public @main"):]
   ops = set(re.findall(r"(stablehlo\.\w+)", main.split("func.func", 2)[1]))
-  allowed = {"custom_call", "reshape", "case", "constant", "return"}  # case: the platform
+  allowed = {"custom_call", "reshape", "case", "constant", "return", "call"}  # case: platform
   assert ops <= {f"stablehlo.{op}" for op in allowed}, ops
   stream = lower_for_cuda(lambda b, t, s: move_rows(b, t, s, tiling=STREAM), buffers[:2], count)
   assert "stablehlo.compare" in stream  # the streamed path's preparation, for contrast
@@ -345,7 +380,7 @@ def test_gpu_move_rows_61_layers(gpu_buffers, count):
 @pytest.mark.gpu
 @pytest.mark.parametrize("count", [64, 1024])
 def test_gpu_move_rows_61_layers_streamed(gpu_buffers, count):
-  # The streamed path where "auto" now takes the direct one (~20 s of lowering each).
+  # The streamed path where "auto" takes the direct one.
   tgt, src = hostile_pairs(np.random.default_rng(count + 1), GPU_ROWS, count)
   want = jax.jit(reference_move)(gpu_buffers, jnp.asarray(tgt), jnp.asarray(src))
   got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=STREAM))(gpu_buffers, tgt, src)
@@ -403,14 +438,13 @@ def test_gpu_move_rows_per_token_head(count):
   tgt, src = hostile_pairs(rng, rows, count)
   tgt, src = np.array(tgt), np.array(src)
   src[np.flatnonzero((tgt >= 0) & (tgt < rows))[:1]] = rows - 1  # the last aligned scale window
-  for tiling in (MoveTiling(), DIRECT, ROUNDS, TREE, TREE_ROUNDS, STREAM, NARROW_FIRST,
-                 STAGED, TWO_PASS):
+  for tiling in (MoveTiling(), DIRECT, ROUNDS, TREE, TREE_ROUNDS, TWO_PASS):
     got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=tiling))(buffers, tgt, src)
     assert_bits_equal(got, model_move(buffers, tgt, src))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("count", [1, 16, 256])
+@pytest.mark.parametrize("count", [1, 16, 17, 256, 300])  # direct, stream, two-pass
 def test_gpu_move_pages_61_layers(gpu_buffers, count):
   pages = GPU_ROWS // 64
   tgt, src = hostile_pairs(np.random.default_rng(count), pages, count)
@@ -434,18 +468,18 @@ def test_gpu_donated_move_has_no_buffer_copy(gpu_buffers):
 def test_direct_plan_bands_cover_every_row_once():
   # Every (buffer, 16-byte item) belongs to exactly one program, bands are powers of two,
   # each thread holds at most `direct_items_per_thread` items; too many tokens -> no plan.
-  from pallas_kernels.move import _direct_plan
   buffers = [jax.ShapeDtypeStruct((2**18 + 64, 1, 576), jnp.bfloat16)] * 3 + [
       jax.ShapeDtypeStruct((4096, 1, 512), jnp.float8_e4m3fn),
       jax.ShapeDtypeStruct((4096, 1, 1), jnp.float32),
       jax.ShapeDtypeStruct((4096, 1, 64), jnp.bfloat16)]
-  for tiling, tokens in [(MoveTiling(), t) for t in (1, 8, 64, 300, 1024)] + [
-      (ROUNDS, 2048), (ROUNDS, 4096)]:
-    plan = _direct_plan(buffers, tokens, tiling)
+  for tiling, tokens, unit in [(MoveTiling(), t, 1) for t in (1, 8, 64, 300, 1024)] + [
+      (ROUNDS, 2048, 1), (ROUNDS, 4096, 1), (MoveTiling(), 16, 64), (ROUNDS, 64, 64)]:
+    plan = move_direct.plan(buffers, tokens, unit, tiling)
+    assert plan.tokens == tokens * unit and plan.unit_rows == unit
     owners = {}
     for g in plan.groups:
       assert g.band & (g.band - 1) == 0 and g.steps <= tiling.direct_items_per_thread
-      assert g.rounds * g.steps * (128 // g.band) >= tokens  # every token has a thread
+      assert g.rounds * g.steps * (128 // g.band) >= tokens * unit  # every row has a thread
       assert g.rounds == 1 or g.band == min(2, g.row_bytes // g.item_bytes)
       for m, k in enumerate(g.members):
         for band in range(g.bands):
@@ -458,56 +492,77 @@ def test_direct_plan_bands_cover_every_row_once():
             for c in range(max(1, b.shape[-1] * b.dtype.itemsize // 16))}
     assert set(owners) == want
     assert max(owners.values()) < plan.programs
-  assert _direct_plan(buffers, 4096 * 4, MoveTiling()) is None
-  assert _direct_plan(buffers, 4096, MoveTiling(direct_max_tokens=4096)) is not None  # C=1
+  no_rounds = MoveTiling(direct_rounds=False)
+  assert move_direct.plan(buffers, 2048, 1, no_rounds) is None  # "auto": above 1024
+  no_rounds_forced = dataclasses.replace(DIRECT, direct_rounds=False)
+  assert move_direct.plan(buffers, 4096 * 4, 1, no_rounds_forced) is None  # registers
+  assert move_direct.plan(buffers, 4096, 1, MoveTiling(direct_max_tokens=4096,
+                                                       direct_rounds=False)) is not None  # C=1
+  assert move_direct.plan(buffers, 17, 64, MoveTiling()) is None  # pages: above 1024 rows
 
 
-@pytest.mark.parametrize("layout, count, want", [
-    ("plain", 1024, "direct"), ("plain", 4096, "stream"), ("pth", 1024, "direct"),
-    ("pth", 4096, "rounds"), ("pth", 16384, "rounds"), ("pth", 32768, "two_pass")])
-def test_auto_path_choice(monkeypatch, layout, count, want):
-  # "auto": direct up to 1024 tokens; beyond, per_token_head (one-element scale rows) takes
-  # the direct path in rounds up to 16384 and plain rows the streamed path, then two-pass
-  # (H200 figures in MoveTiling's docstring).
-  from pallas_kernels import move
-  taken = []
-  for name in ("_direct", "_stream", "_two_pass"):
-    def spy(*args, _name=name, _fn=getattr(move, name), **kwargs):
-      taken.append(_name if _name != "_direct" or not kwargs["dplan"].in_rounds else "rounds")
-      return _fn(*args, **kwargs)
-    monkeypatch.setattr(move, name, spy)
-  if layout == "plain":
-    buffers = [jax.ShapeDtypeStruct((2**16 + 64, 1, 576), jnp.bfloat16)] * 2
-  else:
-    buffers = [jax.ShapeDtypeStruct((2**16 + 64, 1, 512), jnp.float8_e4m3fn),
-               jax.ShapeDtypeStruct((2**16 + 64, 1, 1), jnp.float32),
-               jax.ShapeDtypeStruct((2**16 + 64, 1, 64), jnp.bfloat16)]
-  lower_for_cuda(move_rows, buffers, count)
-  assert [t.strip("_") for t in taken] == [want]
+PLAIN = [jax.ShapeDtypeStruct((2**16 + 64, 1, 576), jnp.bfloat16)] * 2
+PTH = [jax.ShapeDtypeStruct((2**16 + 64, 1, 512), jnp.float8_e4m3fn),
+       jax.ShapeDtypeStruct((2**16 + 64, 1, 1), jnp.float32),
+       jax.ShapeDtypeStruct((2**16 + 64, 1, 64), jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("layout, count, page_size, want", [
+    ("plain", 1024, 1, "direct"), ("plain", 1025, 1, "stream"), ("plain", 4096, 1, "stream"),
+    ("plain", 4097, 1, "two_pass"), ("pth", 1024, 1, "direct"), ("pth", 4096, 1, "rounds"),
+    ("pth", 16384, 1, "rounds"), ("pth", 16385, 1, "two_pass"),
+    ("plain", 1, 64, "direct"), ("plain", 16, 64, "direct"), ("plain", 17, 64, "stream"),
+    ("plain", 256, 64, "stream"), ("plain", 257, 64, "two_pass"), ("pth", 16, 64, "direct"),
+    ("pth", 17, 64, "stream"), ("pth", 1024, 64, "stream"), ("pth", 1025, 64, "two_pass")])
+def test_auto_path_choice(layout, count, page_size, want):
+  # The order and limits of `pallas_kernels.move`'s docstring (H200 figures: README).
+  buffers = PLAIN if layout == "plain" else PTH
+  name, plan = choose(buffers, count, page_size)
+  if name == "direct" and plan.in_rounds:
+    name = "rounds"
+  assert name == want
 
 
 def test_direct_select_auto():
-  from pallas_kernels.move import _direct_plan
   plain = [jax.ShapeDtypeStruct((4096, 1, 576), jnp.bfloat16)] * 3
   pth = [jax.ShapeDtypeStruct((4096, 1, 512), jnp.float8_e4m3fn),
          jax.ShapeDtypeStruct((4096, 1, 1), jnp.float32)]
-  assert _direct_plan(plain, 8, MoveTiling()).select == "chain"
-  assert _direct_plan(pth, 8, MoveTiling()).select == "tree"
-  assert _direct_plan(pth, 8, MoveTiling(direct_select="chain")).select == "chain"
+  assert move_direct.plan(plain, 8, 1, MoveTiling()).select == "chain"
+  assert move_direct.plan(pth, 8, 1, MoveTiling()).select == "tree"
+  assert move_direct.plan(pth, 8, 1, MoveTiling(direct_select="chain")).select == "chain"
   with pytest.raises(ValueError, match="direct_select"):
-    move_rows([jnp.zeros((8, 1, 576), jnp.bfloat16)], jnp.zeros(1, jnp.int32),
-              jnp.zeros(1, jnp.int32), tiling=MoveTiling(direct_select="binary"))
+    MoveTiling(direct_select="binary")
+  with pytest.raises(ValueError, match="tiling.path"):
+    MoveTiling(path="staged")
 
 
 def test_direct_stand_in_beyond_the_streamed_indices():
-  # Interpret mode runs the direct path's stand-in: the streamed path, or two-pass when the
-  # T indices do not fit its shared memory (here forced by a tiny stream_index_bytes).
+  # Interpret mode runs the direct path's stand-in: the next path that takes the move
+  # (two-pass here: the indices do not fit a tiny stream_index_bytes).
   rng = np.random.default_rng(7)
-  buffers = make_buffers(rng, rows=256, plain_layers=1, trio_layers=1)
+  buffers = [b for b in make_buffers(rng, rows=256, plain_layers=1, trio_layers=1)
+             if b.shape[-1] != 1]
   tgt, src = hostile_pairs(rng, 256, 40)
-  tiling = MoveTiling(token_path="direct", direct_rounds=True, stream_index_bytes=256)
+  tiling = MoveTiling(path="direct", direct_rounds=True, stream_index_bytes=256)
+  assert choose(buffers, 40, 1, tiling, after="direct")[0] == "two_pass"
   got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=tiling))(buffers, tgt, src)
   assert_bits_equal(got, model_move(buffers, tgt, src))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [1, 5, 16, 40])
+def test_gpu_move_pages_per_token_head(count):
+  # Small page moves take the direct path (page ids expanded in the kernel), 40 pages the
+  # streamed one; overlapping pages, skipped pairs, the last page.
+  rng = np.random.default_rng(count)
+  rows = 4096 * 4
+  buffers = make_buffers(rng, rows=rows, plain_layers=1, trio_layers=3)
+  tgt, src = hostile_pairs(rng, rows // 64, count)
+  src[np.flatnonzero((tgt >= 0) & (tgt < rows // 64))[:1]] = rows // 64 - 1
+  for tiling in (MoveTiling(), TREE, TWO_PASS):
+    got = jax.jit(lambda b, t, s: move_pages(b, t, s, page_size=64, tiling=tiling))(
+        buffers, tgt, src)
+    assert_bits_equal(got, model_move(buffers, tgt, src, unit=64))
 
 
 @pytest.mark.gpu
