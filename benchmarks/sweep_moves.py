@@ -207,6 +207,8 @@ def main(argv=None):
   parser.add_argument("--small", action="store_true", help="CPU-sized smoke run")
   parser.add_argument("--cases", default="move,ovl,pages,pth",
                       help="comma list of move,ovl,pages,pth (split the sweep over runs)")
+  parser.add_argument("--move-t", default=None, help="comma list overriding the move case's T")
+  parser.add_argument("--page-counts", default=None, help="comma list overriding the page counts")
   args = parser.parse_args(argv)
   start = time.perf_counter()
   budget_end = start + args.budget
@@ -225,6 +227,10 @@ def main(argv=None):
   rng = np.random.default_rng(0)
   results: list[Row] = []
   cases = set(args.cases.split(","))
+  if args.move_t:
+    move_t = tuple(int(v) for v in args.move_t.split(","))
+  if args.page_counts:
+    pages = tuple(int(v) for v in args.page_counts.split(","))
   if "move" not in cases:
     move_t = ()
   if "ovl" not in cases:
