@@ -54,18 +54,19 @@ TOKEN_VARIANTS = {
     # two-pass with every buffer in one launch per pass (the default splits 61 layers into
     # launches of at most 8 buffers per row layout, for lowering time)
     "two_pass_1launch": T(path="two_pass", two_pass_max_buffers=1 << 10),
+    "two_pass_b32": T(path="two_pass", two_pass_max_buffers=32),
     "xla": None,
 }
 SMALL_T_VARIANTS = ("default", "stream", "direct_p512", "direct_p2048", "direct_p8192", "xla")
 LARGE_T_VARIANTS = ("default", "rounds", "stream", "direct_p2048", "direct_i8", "two_pass",
-                    "two_pass_1launch", "xla")
+                    "two_pass_1launch", "two_pass_b32", "xla")
 PTH_VARIANTS = ("default", "rounds", "two_pass", "direct_p2048", "xla")
 OVL_VARIANTS = ("default", "rounds", "stream", "xla")
 PAGE_VARIANTS = {
     "default": DEFAULT,  # up to 16 pages of 64 rows: the direct (token) path
-    "stream": T(path="stream"),  # the default for every page count before
+    "stream": T(path="stream"),
     "stream_item4k": T(path="stream", stream_item_bytes=4096),
-    "stream_item16k": T(path="stream", stream_item_bytes=16384, stream_ring_bytes=128 * 1024),
+    "stream_item8k": T(path="stream", stream_item_bytes=8192, stream_ring_bytes=72 * 1024),
     "two_pass": T(path="two_pass"),
     "xla": None,
 }

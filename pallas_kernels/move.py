@@ -18,14 +18,16 @@ returns a plan (not None) takes it (``MoveTiling.path`` names the first path to 
    scale) up to ``direct_rounds_max_tokens`` = 16384 rows, in rounds above 1024 (then XLA
    computes one flag before the launch); page moves of at most ``page_direct_max_rows`` =
    1024 rows (16 pages of 64). Interpret mode (CPU) runs the next path instead.
-2. stream (``move_stream``; one launch after a few small XLA ops on the indices): up to
-   4096 items (``stream_index_bytes``) of whole rows, i.e. plain token moves of 1025-4096
-   rows and page moves of 17-256 pages of 64 rows (items of 4 rows of 1152 bytes;
-   per_token_head pages: items of 16 rows, up to 1024 pages). Not for token moves of buffer
-   sets with one-element rows (the direct path takes those up to 16384 rows).
+2. stream (``move_stream``; one launch after a few small XLA ops on the indices): page
+   moves of up to 4096 items (``stream_index_bytes``) of whole rows (blocks of up to
+   ``stream_item_bytes`` = 16 KiB): 17-512 pages of 64 plain rows, per_token_head 17-2048
+   pages (H200, 61 plain layers: 47.1 us at 17 pages, 607.6 us at 256 against 667.4 for
+   two-pass; 8 KiB items took 740 us). Token moves only when forced (``path="stream"``): two-pass was faster on the H200
+   (61 plain layers: 126.6 vs 129.6 us at T=2048, 229.8 vs 329.8 us at T=4096).
 3. two_pass (``move_two_pass``; two launches per batch of at most ``two_pass_max_buffers``
-   = 8 buffers of each row layout, i.e. 16 launches for 61 layers): everything else (plain
-   token moves above 4096 rows, per_token_head above 16384, page moves above 256 pages).
+   = 32 buffers, i.e. 4 launches for 61 plain layers, 12 for 61 per_token_head trios):
+   everything else (plain token moves above 1024 rows, per_token_head above 16384, larger
+   page moves).
 
 Each path owns distinct bytes per program, so no program races another. Buffers enter the
 kernels as refs (``jax.new_ref`` / ``jax.freeze``), so the kernels alias them: under a

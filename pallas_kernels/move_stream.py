@@ -47,9 +47,14 @@ class StreamPlan:
 
 
 def plan(buffers, num_units: int, unit_rows: int, tiling: mc.MoveTiling) -> StreamPlan | None:
-  """Chunking of the streamed path, or None to hand the move to the next path: a
-  one-element-row buffer, no block size of whole rows that fits, or more indices than
+  """Chunking of the streamed path, or None to hand the move to the next path: a token
+  move (unless forced with ``path="stream"``), a one-element-row buffer, no block size of whole rows that fits, or more indices than
   ``stream_index_bytes``."""
+  if unit_rows == 1 and tiling.path == "auto":
+    # Token moves past the direct path's limits go to two-pass: on the H200 (61 layers,
+    # plain bf16 rows) 126.6 vs 129.6 us at T=2048 and 229.8 vs 329.8 us at T=4096
+    # (benchmarks/results/logs/2026-12-03_sweep_moves_two_pass.log). path="stream" forces it.
+    return None
   rows = buffers[0].shape[0]
   row_bytes = [mc.row_bytes(b) for b in buffers]
   slots, lookahead = tiling.stream_slots, tiling.stream_lookahead
