@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, memcheck with hostile slots, diagnostics, benchmark.
 # Usage (device tool): bash benchmarks/gpu_session.sh
-#   [tests|decode|decode_bench|diag_decode|deepseek|moves|rope|rope_bench|sanitize|diag|diag_moves|
-#    ptx|bench|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
+#   [tests|decode|decode_bench|diag_decode|demo|deepseek|moves|rope|rope_bench|sanitize|diag|
+#    diag_moves|ptx|bench|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
 #
 # Budget notes (H200, jax 0.11.2): a 61-layer Mosaic move kernel lowers in < 2 s of host time
 # (since the issue-17 split; ~20 s before); the move GPU tests take ~100 s, the decode GPU
@@ -26,9 +26,18 @@ if want decode; then  # mla_decode kernel vs the XLA reference
     > "$OUT/gpu_decode_tests.log" 2>&1; tail -25 "$OUT/gpu_decode_tests.log"
 fi
 if want diag_decode; then  # per_token_head decode kernel variants + its SASS
-  timeout 150 python3 benchmarks/diag_decode.py 2>&1 | tee "$OUT/diag_decode.log"
+  timeout 150 python3 benchmarks/diag_decode.py ${DIAG_DECODE_ARGS:-} 2>&1 | tee "$OUT/diag_decode.log"
   MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO="$OUT/sass" timeout 60 python3 benchmarks/diag_decode.py \
     --only pth --iters 1 > /dev/null 2>&1; ls "$OUT/sass" | head
+fi
+if want demo; then  # the 61-layer demo, cold (empty compilation cache) and again warm
+  export JAX_COMPILATION_CACHE_DIR=$(mktemp -d)
+  for run in cold warm; do
+    echo "== demo, $run compilation cache"
+    timeout ${DEMO_TIMEOUT:-200} python3 -m jax_mla_cache demo --no-bench --no-deepseek \
+      ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo_$run.log" | grep -v "^  step"
+  done
+  unset JAX_COMPILATION_CACHE_DIR
 fi
 if want decode_bench; then
   timeout ${DECODE_BENCH_TIMEOUT:-240} python3 -m jax_mla_cache bench --ops decode --iters 10 \

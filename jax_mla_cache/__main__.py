@@ -5,6 +5,10 @@ demo   the main job: a DeepSeek-style MLA model's prefill + decode steps on the
        (`--deepseek*` options, `--no-deepseek` skips it), then the kernel benchmark table
        (`--no-bench` skips it).
 bench  the kernel benchmark alone; writes benchmarks/results/<device>.json + .png.
+
+Both keep JAX's persistent compilation cache in $JAX_COMPILATION_CACHE_DIR, or
+~/.cache/jax_mla_cache/xla (`--no-compilation-cache` turns it off): a second run of the
+same shapes loads its compiled steps instead of compiling them again.
 """
 
 from __future__ import annotations
@@ -15,6 +19,12 @@ import sys
 def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   cmd = argv.pop(0) if argv and not argv[0].startswith("-") else "demo"
+  if cmd in ("bench", "demo"):
+    from jax_mla_cache import demo
+    use_cache = "--no-compilation-cache" not in argv
+    argv = [a for a in argv if a != "--no-compilation-cache"]
+    if use_cache:
+      print(f"JAX persistent compilation cache: {demo.use_compilation_cache()}", flush=True)
   if cmd == "bench":
     from jax_mla_cache import bench
     bench.main(argv)

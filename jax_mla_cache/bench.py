@@ -67,6 +67,11 @@ class Record:
   s_q: int | None = None    # queries per sequence (mla_decode)
   H: int | None = None      # query heads (mla_decode, the fused RoPE write)
   tflops: float | None = None
+  compile_s: float | None = None  # first call: trace + compile + one run (seconds)
+
+
+_FIRST_CALL_S: list[float] = []
+"""Seconds of the latest `time_per_call`'s first call (picked up by `report`)."""
 
 
 def gpu_events(trace_dir: str) -> dict[str, int] | None:
@@ -96,7 +101,10 @@ def time_per_call(step: Callable[[Any], Any], state: Any, iters: int,
 
   With `breakdown` (a dict), it is filled with microseconds per call per GPU event name.
   """
-  for _ in range(3):
+  t0 = time.perf_counter()
+  state = jax.block_until_ready(step(state))
+  _FIRST_CALL_S[:] = [time.perf_counter() - t0]
+  for _ in range(2):
     state = step(state)
   jax.block_until_ready(state)
   if jax.devices()[0].platform == "gpu":
@@ -460,13 +468,17 @@ def main(argv: list[str] | None = None) -> dict:
   methods: set[str] = set()
 
   def report(rec: Record, method: str, breakdown: dict[str, float] | None = None) -> None:
+    if rec.compile_s is None and _FIRST_CALL_S:
+      rec.compile_s = round(_FIRST_CALL_S.pop(), 3)
     records.append(rec)
     methods.add(method)
     heads = f" H={rec.H:<3d}" if rec.H is not None and rec.B is None else ""
     shape = (f" B={rec.B} s_q={rec.s_q} H={rec.H} {rec.tflops:6.1f} TFLOPS"
              if rec.B is not None and rec.tflops is not None else "")
     print(f"  {rec.op:12s} {rec.impl:7s} T={rec.T:<6d} layers={rec.layers:<3d}{heads} "
-          f"{rec.us:10.2f} us {rec.gbps:9.1f} GB/s{shape}  [{method}]", flush=True)
+          f"{rec.us:10.2f} us {rec.gbps:9.1f} GB/s{shape}  [{method}]"
+          + (f" (first call {rec.compile_s:.1f} s)" if rec.compile_s is not None else ""),
+          flush=True)
     if args.breakdown and breakdown:
       for name, us in sorted(breakdown.items(), key=lambda kv: -kv[1]):
         print(f"      {us:9.2f} us  {name[:100]}", flush=True)

@@ -37,6 +37,22 @@ GPU_MODEL = dict(hidden_size=1024, num_heads=16, qk_nope_head_dim=128, v_head_di
 dims are DeepSeek-V3's, the model's are smaller so the weights stay ~1.5 GB)."""
 
 
+def use_compilation_cache(path: str | None = None) -> str:
+  """Turns on JAX's persistent compilation cache (what a serving stack should do too).
+
+  Compiled executables that took >= 1 s to compile are kept on disk, keyed by the lowered
+  program, the device and the jax version, so a restart with the same shapes (the same
+  batch buckets) loads them instead of compiling again. `path`: the directory; default
+  $JAX_COMPILATION_CACHE_DIR, else ~/.cache/jax_mla_cache/xla. Returns the directory.
+  """
+  path = (path or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+          or os.path.join(os.path.expanduser("~"), ".cache", "jax_mla_cache", "xla"))
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  return path
+
+
 def _parse(argv: list[str], on_gpu: bool) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
       prog="python -m jax_mla_cache demo", description=__doc__,

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable
@@ -157,23 +158,63 @@ def dispatch(build: Callable[[bool], Callable[..., Any]], *args):
   The choice is made per lowering platform (``jax.lax.platform_dependent``), so lowering
   for CUDA on a CPU host (deviceless AOT) gives the real kernel.
 
+  The CUDA branch is a jitted function cached per `build` (see `kernel_fn`): a model step
+  that calls one kernel per layer with the same static shapes traces and lowers it once
+  and calls it for every layer, instead of emitting one identical Mosaic GPU kernel per
+  layer (most of a 61-layer step's compile time).
+
   Interpret mode carries an ordered IO effect; ``platform_dependent`` keeps only the
   lowering platform's branch but still expects that effect's token, so a bare interpret
   branch breaks CUDA lowering. The interpret branch therefore runs inside a
   ``pure_callback`` (which hides the effect; on CPU the buffers are then copied through the
   callback: interpret mode is for correctness only).
   """
-  out_types = jax.eval_shape(build(False), *args)
-  interpret = jax.jit(build(True))
+  cuda = kernel_fn(build, False)
+  out_types = jax.eval_shape(cuda, *args)
+  interpreted = kernel_fn(build, True)
+  if _build_key(build) is None:
+    interpreted = jax.jit(interpreted)
 
   def run_interpreted(*x):
     with _INTERPRET_LOCK:
-      return jax.device_get(interpret(*x))
+      return jax.device_get(interpreted(*x))
 
   def on_other(*a):
     return jax.pure_callback(run_interpreted, out_types, *a)
 
-  return lax.platform_dependent(*args, cuda=build(False), default=on_other)
+  return lax.platform_dependent(*args, cuda=cuda, default=on_other)
+
+
+def kernel_fn(build: Callable[[bool], Callable[..., Any]], interpret: bool) -> Callable[..., Any]:
+  """``jax.jit(build(interpret))``, one per distinct `build`.
+
+  `build` is usually ``functools.partial(kernel, **static)`` made afresh by each call; two
+  partials of the same function with equal (hashable) arguments get the same jitted
+  function, so JAX's trace cache and the lowering's per-module cache of jitted callees
+  reuse one kernel. Other callables (or unhashable arguments): ``build(interpret)`` as it
+  comes (callers such as the move paths pass their own jitted function).
+  """
+  key = _build_key(build)
+  if key is None:
+    return build(interpret)
+  return _cached_kernel_fn(key, interpret)
+
+
+def _build_key(build) -> tuple | None:
+  if not isinstance(build, functools.partial):
+    return None
+  key = (build.func, build.args, tuple(sorted(build.keywords.items())))
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_kernel_fn(key: tuple, interpret: bool) -> Callable[..., Any]:
+  func, args, keywords = key
+  return jax.jit(functools.partial(func, *args, **dict(keywords))(interpret))
 
 
 def as_rows(x: jax.Array) -> jax.Array:

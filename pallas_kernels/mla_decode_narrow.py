@@ -49,6 +49,10 @@ from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, LN2, LOG2E, MASKED, D
 MAX_ROWS = 32       # query rows (s_q x H) this path takes
 CONVERT_COLS = 64   # per_token_head: columns dequantized at a time
 SMEM_LIMIT = 227 * 1024
+# Register layout of the per_token_head fp8 -> q.dtype conversion (loaded and stored in the
+# same layout): 4 fp8 values (32 bits) in, 4 bf16 (64 bits) out per shared-memory access,
+# where the WGMMA layout moves 2 and 2.
+CONVERT_LAYOUT = plgpu.Layout.WGMMA_UPCAST_2X
 
 
 def padded_rows(QR: int) -> int:
@@ -236,7 +240,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
           sync_compute()
           for c in range(half // CONVERT_COLS):
             chunk = pl.ds(wg * half + c * CONVERT_COLS, CONVERT_COLS)
-            x = plgpu.load(kv_smem.at[slot, :, chunk], layout=plgpu.Layout.WGMMA)
+            x = plgpu.load(kv_smem.at[slot, :, chunk], layout=CONVERT_LAYOUT)
             # e4m3 -> bf16 has no conversion instruction on sm_90: through float32, exact.
             key_tile.at[:, chunk][...] = x.astype(F32).astype(dtype)
           plgpu.commit_smem()

@@ -218,6 +218,9 @@ KERNEL_CASES = [
     ("pth", 32, 2, 2, 16, 5, 3, "wide"),
     ("pth", 64, 2, 1, 8, 3, 1, "wide"),
     ("pth", 64, 2, 1, 5, 3, 1, "narrow"),       # 5 rows padded to 16
+    ("pth", 32, 2, 1, 16, 5, 3, "converter"),   # two copies per block, three splits
+    ("pth", 64, 2, 1, 5, 3, 1, "converter"),    # 5 rows padded to 16
+    ("pth", 64, 3, 2, 8, 4, 2, "converter"),    # 16 rows, queries causal
 ]
 
 
@@ -236,14 +239,20 @@ def test_kernel_interpret_matches_reference(mode, page_size, B, s_q, H, P, split
 
 
 def test_kernel_paths_take_what_they_say():
-  """narrow takes <= 32 query rows, wide everything; the default order tries narrow first."""
+  """converter takes per_token_head with <= 16 query rows, narrow <= 32 query rows, wide
+  everything; the default order tries them in that order."""
   geo = lambda s_q, H, quantized=False: kernel.Geometry(
       B=4, s_q=s_q, H=H, R=512, Rr=64, P=8, page_size=64, rows=4096, quantized=quantized,
       dtype=jnp.dtype(jnp.bfloat16))
+  converter = kernel._path("converter")
   narrow = kernel._path("narrow")
   wide = kernel._path("wide")
   config = kernel.DecodeConfig()
-  assert kernel.PATHS == ("narrow", "wide")
+  assert kernel.PATHS == ("converter", "narrow", "wide")
+  for s_q, H in ((1, 16), (2, 8), (1, 1)):
+    assert converter.takes(geo(s_q, H, True), config) is None
+  assert "plain" in converter.takes(geo(1, 16), config)
+  assert "query rows" in converter.takes(geo(2, 16, True), config)
   for s_q, H in ((1, 16), (2, 16), (1, 1), (4, 8)):
     assert narrow.takes(geo(s_q, H), config) is None
     assert narrow.takes(geo(s_q, H, True), config) is None
@@ -273,7 +282,7 @@ def test_public_op_runs_the_kernel_on_pallas(rng):
 @pytest.mark.parametrize("mode", ["bf16", "pth"])
 @pytest.mark.parametrize("page_size,B,s_q,H,path", [
     (64, 64, 1, 16, "narrow"), (64, 64, 1, 16, "wide"), (32, 8, 2, 16, "narrow"),
-    (32, 8, 4, 128, None), (128, 1, 2, 64, None)])
+    (32, 8, 4, 128, None), (128, 1, 2, 64, None), (64, 64, 1, 16, None), (32, 8, 2, 8, None)])
 def test_kernel_lowers_for_cuda(mode, page_size, B, s_q, H, path):
   base = mc.DEEPSEEK_V3 if mode == "bf16" else mc.DEEPSEEK_V3_FP8
   cfg = base.replace(size=65536 - page_size, page_size=page_size, layer_num=1)
@@ -336,9 +345,18 @@ def test_gpu_kernel_matches_reference(mode, B, s_q, H, max_len):
   want = tuple(np.asarray(x, np.float64) for x in want)
   got = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.07, implementation="pallas")
   assert_close(got, want)
-  if s_q * H <= 32:   # the default ran the narrow path: check the wide one too
-    got = _kernel_path(cache, q, table, lens, "wide")
-    assert_close(got, want)
+  for path in _paths_taking(cache, q, table)[1:]:  # the default ran the first: the others too
+    assert_close(_kernel_path(cache, q, table, lens, path), want)
+
+
+def _paths_taking(cache, q, table):
+  """The kernel paths that take this call, in the default order."""
+  cfg = cache.config
+  B, s_q, H, W = q.shape
+  geo = kernel.Geometry(B=B, s_q=s_q, H=H, R=cfg.kv_lora_rank, Rr=W - cfg.kv_lora_rank,
+                        P=table.shape[1], page_size=cfg.page_size, rows=cfg.rows,
+                        quantized=len(cache.layer(0)) == 3, dtype=jnp.dtype(q.dtype))
+  return [p for p in kernel.PATHS if kernel._path(p).takes(geo, kernel.DecodeConfig()) is None]
 
 
 def _kernel_path(cache, q, table, lens, path, sm_scale=0.07):
@@ -350,14 +368,14 @@ def _kernel_path(cache, q, table, lens, path, sm_scale=0.07):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,page_size", [("bf16", 16), ("pth", 32), ("bf16", 128),
-                                            ("pth", 128)])
-def test_gpu_kernel_hostile_page_tables_and_page_sizes(mode, page_size):
+@pytest.mark.parametrize("mode,page_size,s_q", [("bf16", 16, 2), ("pth", 32, 2), ("bf16", 128, 2),
+                                                ("pth", 128, 2), ("pth", 32, 1), ("pth", 64, 1)])
+def test_gpu_kernel_hostile_page_tables_and_page_sizes(mode, page_size, s_q):
   rng = np.random.default_rng(page_size)
-  cache, q, table, lens = _gpu_case(mode, 12, 2, 16, 3000, page_size, rng, hostile=True)
+  cache, q, table, lens = _gpu_case(mode, 12, s_q, 16, 3000, page_size, rng, hostile=True)
   want = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.07, implementation="xla")
   want = tuple(np.asarray(x, np.float64) for x in want)
-  for path in kernel.PATHS:
+  for path in _paths_taking(cache, q, table):
     assert_close(_kernel_path(cache, q, table, lens, path), want)
 
 
@@ -366,7 +384,9 @@ def test_gpu_kernel_against_float64_small(rng):
   for mode in ("bf16", "pth"):
     cfg = CONFIGS[mode].replace(page_size=32, size=1024)
     cache = filled_cache(cfg, rng)
-    q, table, lens = problem(cfg, rng, B=3, s_q=2, H=16, P=5)
-    want = decode64(cache.layer(0), q, table, lens, sm_scale=0.3, page_size=32, kv_lora_rank=512)
-    for path in kernel.PATHS:
-      assert_close(_kernel_path(cache, q, table, lens, path, sm_scale=0.3), want)
+    for s_q in (1, 2):
+      q, table, lens = problem(cfg, rng, B=3, s_q=s_q, H=16, P=5)
+      want = decode64(cache.layer(0), q, table, lens, sm_scale=0.3, page_size=32,
+                      kv_lora_rank=512)
+      for path in _paths_taking(cache, q, table):
+        assert_close(_kernel_path(cache, q, table, lens, path, sm_scale=0.3), want)

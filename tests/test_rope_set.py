@@ -467,7 +467,8 @@ def test_lowers_for_cuda_in_place(quant, is_neox, T, H, sanitize):
   assert "stablehlo.concatenate" not in text and "stablehlo.sine" not in text
   n_buffers = len(jax.tree.leaves(cache))
   assert text.count("tf.aliasing_output") == n_buffers
-  assert text.count("output_operand_aliases") >= 2
+  # Both layers call one kernel function (same static shapes), which aliases its buffers.
+  assert text.count("output_operand_aliases") >= 1
 
 
 @pytest.mark.parametrize("storage,in_dtype,out_dtype,model", [

@@ -307,11 +307,14 @@ def forward(
   context_loc = token_slots(page_table, context_positions, c.cache.page_size).reshape(B * C)
   mask = (context_positions[:, None, :] <= positions[:, :, None])[:, None]   # (B, 1, Q, C)
 
+  # The fused write's cos/sin table of the context's positions: one constant for all layers.
+  table = rope.rope_cos_sin_cache(C, dr, c.rope_theta) if write == "rope_set" else None
+
   x = params.embed[tokens].astype(F32)
   for layer_id, layer in enumerate(params.layers):
     h = rms_norm(x, layer.attn_norm, c.rms_eps)
     if write == "rope_set":
-      cache, q = _fused_write(layer, layer_id, cache, h, positions, write_loc, C, c,
+      cache, q = _fused_write(layer, layer_id, cache, h, positions, write_loc, table, c,
                               implementation)
       q_latent = q_rope = None
     else:
@@ -347,9 +350,9 @@ def forward(
   return final_logits(params, x), cache
 
 
-def _fused_write(layer, layer_id, cache, h, positions, write_loc, context, c, implementation):
+def _fused_write(layer, layer_id, cache, h, positions, write_loc, table, c, implementation):
   """The decode write in one launch: `rope_set_mla_kv_buffer` rotates q_rope and k_rope
-  (rotate-half, as `apply_rope`, from a cos/sin table of the context's positions), writes
+  (rotate-half, as `apply_rope`, from `table`: cos/sin of the context's positions), writes
   the latent rows and returns the absorbed query `[q_nope @ w_uk | rope(q_rope)]`
   (B, Q, H, R + dr) in the model dtype."""
   B, Q = positions.shape
@@ -359,7 +362,6 @@ def _fused_write(layer, layer_id, cache, h, positions, write_loc, context, c, im
   q = _einsum("bqd,dhk->bqhk", h, layer.w_q, c.dtype)
   dn = c.qk_nope_head_dim
   q_latent = _einsum("bqhd,hdr->bqhr", q[..., :dn], layer.w_uk, c.dtype)
-  table = rope.rope_cos_sin_cache(context, dr, c.rope_theta)
   T = B * Q
   cache, q_out = rope_write.rope_set_mla_kv_buffer(
       cache, layer_id, write_loc.reshape(T), positions.reshape(T),

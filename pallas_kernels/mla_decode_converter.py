@@ -1,0 +1,368 @@
+"""mla_decode path "converter": per_token_head, at most 16 query rows, a converting warpgroup.
+
+The "narrow" path's per_token_head kernel converts each block's fp8 nope plane to q's dtype
+with both compute warpgroups, then computes the scores, then the values, one block after
+the other: measured on the H200 (benchmarks/README, "Decode attention"), the conversion is
+~30% of its time and nothing overlaps it. This path gives the conversion its own place in a
+pipeline, with two converted tiles in shared memory:
+
+    warpgroup 1:  convert block i+1  | values of block i (its half)   | convert block i+2 ...
+    warpgroup 0:  scores + softmax of block i | values of block i (other half) | ...
+
+Warpgroup 0 computes S^T = K Q^T of block i from its converted tile and the rope plane, the
+online softmax (scale folded into the scores and the weights, as in "narrow"), writes P
+and alpha to shared memory and accumulates its half of out^T = V^T P^T; meanwhile
+warpgroup 1 converts the next block into the other tile, then accumulates its half of
+block i's values. Two producer warpgroups follow the page table: one streams the fp8 nope
+plane and the scales (a ring of two blocks), the other the rope plane into one buffer
+(loaded as soon as the previous block's scores are done), so neither stream waits for the
+other.
+
+Shared memory at 16 query rows: q 18 KB, fp8 ring 2 x 32.25 KB, two converted tiles
+2 x 64 KB, rope 8 KB, P 2 KB: 221 KB of the 227 KB. More rows do not fit (the "narrow"
+path takes them). The output is staged in q's buffer (free after the last scores) and
+written as (B, splits, N, R + Rr) (the last Rr columns unused).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import common
+from pallas_kernels.common import F32
+from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, LN2, LOG2E, MASKED, DecodeConfig,
+                                       Geometry, combine, num_sms, split_count)
+from pallas_kernels.mla_decode_narrow import CONVERT_COLS, CONVERT_LAYOUT, SMEM_LIMIT
+
+MAX_ROWS = 16
+
+
+def _smem_bytes(geo: Geometry) -> int:
+  n, size = MAX_ROWS, geo.dtype.itemsize
+  return (n * (geo.R + geo.Rr) * size                 # q (then the output)
+          + 2 * BLOCK_KV * (geo.R + 4)                # fp8 nope + scale ring
+          + 2 * BLOCK_KV * geo.R * size               # converted tiles
+          + BLOCK_KV * geo.Rr * size                  # rope
+          + n * BLOCK_KV * size + 3 * 4 * n + 2048)   # P, alpha/max/sum, barriers and slack
+
+
+def takes(geo: Geometry, config: DecodeConfig) -> str | None:
+  """None when this path runs the call, else why not."""
+  del config
+  if not geo.quantized:
+    return "the plain cache (this path converts per_token_head fp8)"
+  if geo.QR > MAX_ROWS:
+    return f"{geo.QR} query rows (s_q x H) per sequence (this path takes <= {MAX_ROWS})"
+  if geo.R // 2 > 256 or geo.R % 128:
+    return f"R={geo.R} (this path takes R % 128 == 0 and R <= 512)"
+  if _smem_bytes(geo) > SMEM_LIMIT:
+    return "shared memory: two converted tiles do not fit"
+  return None
+
+
+def run(geo: Geometry, config: DecodeConfig, operands, q2, safe_table, page_ok, lens, *,
+        sm_scale: float, num_splits: int | None):
+  """The kernel on prepared operands: q2 (B, QR, W); returns (out (B, QR, R), lse (B, QR))."""
+  QR, N = geo.QR, MAX_ROWS
+  splits = num_splits or split_count(geo.B, 1, geo.max_blocks, num_sms(config))
+  if N != QR:
+    q2 = jnp.pad(q2, ((0, 0), (0, N - QR), (0, 0)))
+  build = functools.partial(
+      _kernel, B=geo.B, s_q=geo.s_q, H=geo.H, R=geo.R, Rr=geo.Rr, P=geo.P, N=N,
+      splits=splits, page_size=geo.page_size, dtype=geo.dtype, sm_scale=sm_scale)
+  out, lse = common.dispatch(build, *operands, q2, safe_table, page_ok, lens)
+  out, lse = combine(out[..., :geo.R], lse, geo.dtype)
+  return out[:, :QR], lse[:, :QR]
+
+
+def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_scale):
+  W = R + Rr
+  half = R // 2
+  bits = dtype.itemsize * 8
+  tile = (plgpu.TilingTransform((8, 1024 // bits)), plgpu.SwizzleTransform(128))
+  fp8_tile = (plgpu.TilingTransform((8, CONVERT_COLS)), plgpu.SwizzleTransform(CONVERT_COLS))
+  copies = 1 if page_size >= BLOCK_KV else BLOCK_KV // page_size
+  rows_per_copy = min(page_size, BLOCK_KV)
+  score_scale = sm_scale * LOG2E
+  row_vec = plgpu.Layout.WGMMA.reduce(1)    # one value per token (a row of S^T)
+  col_vec = plgpu.Layout.WGMMA.reduce(0)    # one value per query row (a column of S^T)
+
+  def body(nope_ref, scale_ref, rope_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
+           q_smem, raw_smem, scale_smem, rope_smem, tiles, p_smem, alpha_smem, m_smem, l_smem,
+           q_bar, raw_full, raw_free, rope_full, rope_free, tile_ready, tile_free, p_ready,
+           p_free, sync_bar):
+    sp = lax.axis_index("s")
+    b = lax.axis_index("b")
+    wg = lax.axis_index("wg")
+    length = len_ref[b]
+    n_blocks = lax.div(length + (BLOCK_KV - 1), BLOCK_KV)
+    per_split = lax.div(n_blocks + (splits - 1), splits)
+    first = sp * per_split
+    n_steps = jnp.maximum(jnp.minimum(first + per_split, n_blocks) - first, 0)
+
+    def copy_block(i, src, dst, barrier):
+      """TMA copies of block `first + i` of `src` (following the page table) into dst."""
+      start = (first + i) * BLOCK_KV
+      for c in range(copies):
+        position = start + c * rows_per_copy
+        page = pt_ref[b, jnp.minimum(lax.div(position, page_size), P - 1)]
+        row = page * page_size + lax.rem(position, page_size)
+        plgpu.copy_gmem_to_smem(src.at[pl.ds(row, rows_per_copy)],
+                                dst.at[pl.ds(c * rows_per_copy, rows_per_copy)], barrier)
+
+    def accumulate(acc, j, cols):
+      """acc (half, N) += V^T . P over the value columns `cols` (a half) of tile j."""
+      values_t = tiles.at[j, :, cols].transpose((1, 0))
+      p_t = p_smem.transpose((1, 0))
+      alpha = plgpu.load(alpha_smem, layout=col_vec)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+      if interpret:
+        # The interpreter cannot pre-initialize an accumulator: add a fresh product.
+        def product(r):
+          plgpu.wgmma(r, values_t, p_t)
+          return r[...]
+
+        return acc + pl.run_scoped(product, plgpu.ACC((half, N), F32))
+
+      def product(acc_ref):
+        plgpu.wgmma(acc_ref, values_t, p_t)
+
+      return pl.run_state(product)(plgpu.ACC.init(acc))
+
+    def convert(i):
+      """Warpgroup 1: block i's fp8 nope plane -> tile i % 2, exactly, in q's dtype (the
+      scale stays out: it multiplies the scores and the softmax weights)."""
+      j = lax.rem(i, 2)
+
+      @pl.when(i >= 2)
+      def _():
+        plgpu.barrier_wait(tile_free.at[j])     # both halves of block i - 2's values done
+      plgpu.barrier_wait(raw_full.at[j])
+      for c in range(R // CONVERT_COLS):
+        chunk = pl.ds(c * CONVERT_COLS, CONVERT_COLS)
+        x = plgpu.load(raw_smem.at[j, :, chunk], layout=CONVERT_LAYOUT)
+        # e4m3 -> bf16 has no conversion instruction on sm_90: through float32, exact.
+        tiles.at[j, :, chunk][...] = x.astype(F32).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(raw_free.at[j])
+      plgpu.barrier_arrive(tile_ready.at[j])
+
+    def values_of(i, acc):
+      """Warpgroup 1: its half of block i's values, once warpgroup 0 has written P."""
+      j = lax.rem(i, 2)
+      plgpu.barrier_wait(p_ready)
+      acc = accumulate(acc, j, pl.ds(half, half))
+      plgpu.barrier_arrive(tile_free.at[j])
+      plgpu.barrier_arrive(p_free)
+      return acc
+
+    @pl.when(wg < 2)
+    def _compute():
+      if not interpret:
+        plgpu.set_max_registers(224, action="increase")
+      acc = plgpu.layout_cast(jnp.full((half, N), 0.0, F32), plgpu.Layout.WGMMA)
+
+      @pl.when(wg == 0)
+      def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
+        plgpu.barrier_wait(q_bar)
+        m_smem[...] = plgpu.layout_cast(jnp.full((N,), -jnp.inf, F32), col_vec)
+        l_smem[...] = plgpu.layout_cast(jnp.full((N,), 0.0, F32), col_vec)
+
+      def wg0_loop(acc):
+        tok = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, N), 0, layout=plgpu.Layout.WGMMA)
+        qrow = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, N), 1, layout=plgpu.Layout.WGMMA)
+        # Query j (row r = j * H + h) sees positions <= length - s_q + j.
+        limit = length - s_q + lax.div(qrow, H)
+
+        @pl.loop(0, n_steps, init_carry=acc)
+        def acc(i, acc):
+          j = lax.rem(i, 2)
+          plgpu.barrier_wait(raw_full.at[j])
+          row_scale = lax.broadcast_in_dim(
+              plgpu.load(scale_smem.at[j], layout=row_vec), (BLOCK_KV, N), [0])
+          plgpu.barrier_arrive(raw_free.at[j])
+          plgpu.barrier_wait(tile_ready.at[j])
+          plgpu.barrier_wait(rope_full)
+
+          def scores(s_ref):
+            plgpu.wgmma(s_ref, tiles.at[j], q_smem.at[:, pl.ds(0, R)].transpose((1, 0)))
+            plgpu.wgmma(s_ref, rope_smem, q_smem.at[:, pl.ds(R, Rr)].transpose((1, 0)))
+            return s_ref[...]
+
+          s = pl.run_scoped(scores, plgpu.ACC((BLOCK_KV, N), F32))
+          plgpu.barrier_arrive(rope_free)
+          block = first + i
+          pos = block * BLOCK_KV + tok
+          # Positions of out-of-range pages move past every limit.
+          if copies == 1:
+            pos = pos + (1 - ok_ref[b, lax.div(block * BLOCK_KV, page_size)]) * MASKED
+          else:
+            page_in_block = lax.div(tok, page_size)
+            penalty = jnp.zeros_like(tok)
+            for c in range(copies):
+              bad = 1 - ok_ref[b, jnp.minimum(block * copies + c, P - 1)]
+              penalty = jnp.where(page_in_block == c, bad * MASKED, penalty)
+            pos = pos + penalty
+          s = jnp.where(pos <= limit, s * row_scale * score_scale, -jnp.inf)
+          m_i = plgpu.load(m_smem, layout=col_vec)
+          l_i = plgpu.load(l_smem, layout=col_vec)
+          m_new = jnp.maximum(m_i, s.max(axis=0))
+          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+          alpha = jnp.exp2(m_i - m_use)
+          p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [1]))
+          l_new = l_i * alpha + p.sum(axis=0)
+          p = p * row_scale
+
+          @pl.when(i > 0)
+          def _():
+            plgpu.barrier_wait(p_free)      # warpgroup 1 is done with the previous P, alpha
+          p_smem.transpose((1, 0))[...] = p.astype(dtype)
+          alpha_smem[...] = alpha
+          m_smem[...] = m_new
+          l_smem[...] = l_new
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(p_ready)
+          acc = accumulate(acc, j, pl.ds(0, half))
+          plgpu.barrier_arrive(tile_free.at[j])
+          return acc
+
+        @pl.when(n_steps > 0)
+        def _():
+          plgpu.barrier_wait(p_free)        # observe warpgroup 1's last release
+        m_i = plgpu.load(m_smem, layout=col_vec)
+        l_i = plgpu.load(l_smem, layout=col_vec)
+        has = l_i > 0
+        alpha_smem[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2,
+                                    -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(alpha_smem, lse_ref.at[b, sp])
+        return acc
+
+      def wg1_loop(acc):
+        @pl.when(n_steps > 0)
+        def _():
+          convert(0)
+
+        @pl.loop(1, n_steps, init_carry=acc)
+        def acc(i, acc):
+          convert(i)
+          return values_of(i - 1, acc)
+
+        @pl.loop(jnp.maximum(n_steps - 1, 0), n_steps, init_carry=acc)
+        def acc(i, acc):
+          return values_of(i, acc)
+
+        # Observe the last two blocks' releases, so that every barrier phase is consumed
+        # when the program ends (the interpreter checks it; on the GPU it costs nothing).
+        @pl.loop(jnp.maximum(n_steps - 2, 0), n_steps)
+        def _(i):
+          plgpu.barrier_wait(tile_free.at[lax.rem(i, 2)])
+        return acc
+
+      def sync_compute():
+        plgpu.barrier_arrive(sync_bar)
+        plgpu.barrier_wait(sync_bar)
+
+      def epilogue(acc, cols):
+        """Both compute warpgroups: out^T / sum, staged in q's buffer (a TMA source must be
+        contiguous: the whole buffer goes out, (N, R + Rr), its last Rr columns unused)."""
+        sync_compute()
+        l_all = plgpu.load(l_smem, layout=col_vec)
+        has = l_all > 0
+        inv = jnp.where(has, 1.0 / jnp.where(has, l_all, 1.0), 0.0)
+        out = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
+        q_smem.at[:, cols].transpose((1, 0))[...] = out.astype(dtype)
+        plgpu.commit_smem()
+        sync_compute()
+
+        @pl.when(wg == 0)
+        def _():
+          plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, sp])
+          plgpu.wait_smem_to_gmem(0)
+
+      @pl.when(wg == 0)
+      def _():
+        epilogue(wg0_loop(acc), pl.ds(0, half))
+
+      @pl.when(wg == 1)
+      def _():
+        epilogue(wg1_loop(acc), pl.ds(half, half))
+
+    @pl.when(wg == 2)
+    def _nope_producer():
+      if not interpret:
+        plgpu.set_max_registers(32, action="decrease")
+
+      @pl.loop(0, n_steps)
+      def _(i):
+        j = lax.rem(i, 2)
+
+        @pl.when(i >= 2)
+        def _():
+          plgpu.barrier_wait(raw_free.at[j])
+        copy_block(i, nope_ref, raw_smem.at[j], raw_full.at[j])
+        copy_block(i, scale_ref, scale_smem.at[j], raw_full.at[j])
+
+      @pl.loop(jnp.maximum(n_steps - 2, 0), n_steps)
+      def _(i):
+        plgpu.barrier_wait(raw_free.at[lax.rem(i, 2)])
+
+    @pl.when(wg == 3)
+    def _rope_producer():
+      if not interpret:
+        plgpu.set_max_registers(32, action="decrease")
+
+      @pl.loop(0, n_steps)
+      def _(i):
+        @pl.when(i >= 1)
+        def _():
+          plgpu.barrier_wait(rope_free)     # block i - 1's scores are done
+        copy_block(i, rope_ref, rope_smem, rope_full)
+
+      @pl.when(n_steps > 0)
+      def _():
+        plgpu.barrier_wait(rope_free)
+
+  smem = [
+      plgpu.SMEM((N, W), dtype, transforms=tile),                    # q, then the output
+      plgpu.SMEM((2, BLOCK_KV, R), FP8_E4M3, transforms=fp8_tile),   # fp8 nope ring
+      plgpu.SMEM((2, BLOCK_KV), F32),                                # scale ring
+      plgpu.SMEM((BLOCK_KV, Rr), dtype, transforms=tile),            # rope
+      plgpu.SMEM((2, BLOCK_KV, R), dtype, transforms=tile),          # converted tiles
+      plgpu.SMEM((N, BLOCK_KV), dtype, transforms=tile),             # P (N x 64 tokens)
+      plgpu.SMEM((N,), F32),                                         # alpha, then lse
+      plgpu.SMEM((N,), F32),                                         # running max
+      plgpu.SMEM((N,), F32),                                         # running sum
+  ]
+  barriers = [
+      plgpu.Barrier(num_arrivals=1),                                 # q
+      plgpu.Barrier(num_arrivals=2 * copies, num_barriers=2),        # nope + scale landed
+      plgpu.Barrier(num_arrivals=2, num_barriers=2),                 # ... converted, scale read
+      plgpu.Barrier(num_arrivals=copies),                            # rope landed
+      plgpu.Barrier(num_arrivals=1),                                 # rope read (scores done)
+      plgpu.Barrier(num_arrivals=1, num_barriers=2),                 # tile converted
+      plgpu.Barrier(num_arrivals=2, num_barriers=2),                 # tile's values done
+      plgpu.Barrier(num_arrivals=1),                                 # P ready (wg 0 -> 1)
+      plgpu.Barrier(num_arrivals=1),                                 # P free (wg 1 -> 0)
+      plgpu.Barrier(num_arrivals=2),                                 # both compute warpgroups
+  ]
+  return plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((B, splits, N, W), dtype),
+                jax.ShapeDtypeStruct((B, splits, N), F32)),
+      scratch_types=smem + barriers,
+      grid=(splits, B),
+      grid_names=("s", "b"),
+      num_threads=4,
+      thread_name="wg",
+      kernel_name="mla_decode_converter",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=common.interpret_params() if interpret else None,
+  )
