@@ -62,7 +62,8 @@ if want rope_bench; then   # the fused RoPE write's benchmark rows alone (pallas
     --out "$OUT/h200_rope.json" 2>&1 | tee "$OUT/bench_rope.log"
 fi
 if want sanitize; then
-  timeout 90 compute-sanitizer --tool memcheck python3 benchmarks/hostile_slots.py 2>&1 \
+  timeout ${SANITIZE_TIMEOUT:-90} compute-sanitizer --tool memcheck python3 benchmarks/hostile_slots.py \
+    ${SANITIZE_ARGS:-} 2>&1 \
     | grep -v "Host Frame" > "$OUT/memcheck.log"; tail -6 "$OUT/memcheck.log"
 fi
 if want diag; then
