@@ -36,8 +36,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.common import F32
-from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, LN2, LOG2E, MASKED, DecodeConfig,
-                                       Geometry, combine, num_sms, split_count)
+from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, LOG2E, DecodeConfig, Geometry, combine,
+                                       num_sms, split_count)
+from pallas_kernels.mla_decode_parts import (accumulate, convert_fp8, copy_block, copy_geometry,
+                                             masked_positions, online_softmax, produce,
+                                             program_blocks, store_lse)
 from pallas_kernels.mla_decode_narrow import CONVERT_COLS, CONVERT_LAYOUT, SMEM_LIMIT
 
 MAX_ROWS = 16
@@ -87,8 +90,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
   bits = dtype.itemsize * 8
   tile = (plgpu.TilingTransform((8, 1024 // bits)), plgpu.SwizzleTransform(128))
   fp8_tile = (plgpu.TilingTransform((8, CONVERT_COLS)), plgpu.SwizzleTransform(CONVERT_COLS))
-  copies = 1 if page_size >= BLOCK_KV else BLOCK_KV // page_size
-  rows_per_copy = min(page_size, BLOCK_KV)
+  copies, _ = copy_geometry(page_size)
   score_scale = sm_scale * LOG2E
   row_vec = plgpu.Layout.WGMMA.reduce(1)    # one value per token (a row of S^T)
   col_vec = plgpu.Layout.WGMMA.reduce(0)    # one value per query row (a column of S^T)
@@ -100,40 +102,20 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
     sp = lax.axis_index("s")
     b = lax.axis_index("b")
     wg = lax.axis_index("wg")
-    length = len_ref[b]
-    n_blocks = lax.div(length + (BLOCK_KV - 1), BLOCK_KV)
-    per_split = lax.div(n_blocks + (splits - 1), splits)
-    first = sp * per_split
-    n_steps = jnp.maximum(jnp.minimum(first + per_split, n_blocks) - first, 0)
+    length, first, n_steps = program_blocks(len_ref, b, sp, splits)
 
-    def copy_block(i, src, dst, barrier):
-      """TMA copies of block `first + i` of `src` (following the page table) into dst."""
-      start = (first + i) * BLOCK_KV
-      for c in range(copies):
-        position = start + c * rows_per_copy
-        page = pt_ref[b, jnp.minimum(lax.div(position, page_size), P - 1)]
-        row = page * page_size + lax.rem(position, page_size)
-        plgpu.copy_gmem_to_smem(src.at[pl.ds(row, rows_per_copy)],
-                                dst.at[pl.ds(c * rows_per_copy, rows_per_copy)], barrier)
+    def load(i, src, dst, barrier):
+      """TMA copies of the program's block i of `src` into `dst`, through the page table."""
+      copy_block(pt_ref, b, first + i, ((src, dst, ()),), barrier, page_size=page_size, P=P)
 
-    def accumulate(acc, j, cols):
-      """acc (half, N) += V^T . P over the value columns `cols` (a half) of tile j."""
+    def accumulate_values(acc, j, cols):
+      """acc (half, N) += V^T . P over the value columns `cols` (a half) of tile j, after
+      rescaling acc by the block's alpha."""
       values_t = tiles.at[j, :, cols].transpose((1, 0))
       p_t = p_smem.transpose((1, 0))
       alpha = plgpu.load(alpha_smem, layout=col_vec)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-      if interpret:
-        # The interpreter cannot pre-initialize an accumulator: add a fresh product.
-        def product(r):
-          plgpu.wgmma(r, values_t, p_t)
-          return r[...]
-
-        return acc + pl.run_scoped(product, plgpu.ACC((half, N), F32))
-
-      def product(acc_ref):
-        plgpu.wgmma(acc_ref, values_t, p_t)
-
-      return pl.run_state(product)(plgpu.ACC.init(acc))
+      return accumulate(acc, values_t, p_t, interpret)
 
     def convert(i):
       """Warpgroup 1: block i's fp8 nope plane -> tile i % 2, exactly, in q's dtype (the
@@ -144,11 +126,9 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       def _():
         plgpu.barrier_wait(tile_free.at[j])     # both halves of block i - 2's values done
       plgpu.barrier_wait(raw_full.at[j])
-      for c in range(R // CONVERT_COLS):
-        chunk = pl.ds(c * CONVERT_COLS, CONVERT_COLS)
-        x = plgpu.load(raw_smem.at[j, :, chunk], layout=CONVERT_LAYOUT)
-        # e4m3 -> bf16 has no conversion instruction on sm_90: through float32, exact.
-        tiles.at[j, :, chunk][...] = x.astype(F32).astype(dtype)
+      convert_fp8(raw_smem, tiles, (pl.ds(c * CONVERT_COLS, CONVERT_COLS)
+                                    for c in range(R // CONVERT_COLS)),
+                  dtype, CONVERT_LAYOUT, src_lead=(j,), dst_lead=(j,))
       plgpu.commit_smem()
       plgpu.barrier_arrive(raw_free.at[j])
       plgpu.barrier_arrive(tile_ready.at[j])
@@ -157,7 +137,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       """Warpgroup 1: its half of block i's values, once warpgroup 0 has written P."""
       j = lax.rem(i, 2)
       plgpu.barrier_wait(p_ready)
-      acc = accumulate(acc, j, pl.ds(half, half))
+      acc = accumulate_values(acc, j, pl.ds(half, half))
       plgpu.barrier_arrive(tile_free.at[j])
       plgpu.barrier_arrive(p_free)
       return acc
@@ -198,26 +178,10 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
 
           s = pl.run_scoped(scores, plgpu.ACC((BLOCK_KV, N), F32))
           plgpu.barrier_arrive(rope_free)
-          block = first + i
-          pos = block * BLOCK_KV + tok
-          # Positions of out-of-range pages move past every limit.
-          if copies == 1:
-            pos = pos + (1 - ok_ref[b, lax.div(block * BLOCK_KV, page_size)]) * MASKED
-          else:
-            page_in_block = lax.div(tok, page_size)
-            penalty = jnp.zeros_like(tok)
-            for c in range(copies):
-              bad = 1 - ok_ref[b, jnp.minimum(block * copies + c, P - 1)]
-              penalty = jnp.where(page_in_block == c, bad * MASKED, penalty)
-            pos = pos + penalty
+          pos = masked_positions(tok, first + i, ok_ref, b, page_size=page_size, P=P)
           s = jnp.where(pos <= limit, s * row_scale * score_scale, -jnp.inf)
-          m_i = plgpu.load(m_smem, layout=col_vec)
-          l_i = plgpu.load(l_smem, layout=col_vec)
-          m_new = jnp.maximum(m_i, s.max(axis=0))
-          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-          alpha = jnp.exp2(m_i - m_use)
-          p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [1]))
-          l_new = l_i * alpha + p.sum(axis=0)
+          m_new, alpha, p, l_new = online_softmax(
+              s, plgpu.load(m_smem, layout=col_vec), plgpu.load(l_smem, layout=col_vec), 0)
           p = p * row_scale
 
           @pl.when(i > 0)
@@ -229,20 +193,14 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
           l_smem[...] = l_new
           plgpu.commit_smem()
           plgpu.barrier_arrive(p_ready)
-          acc = accumulate(acc, j, pl.ds(0, half))
+          acc = accumulate_values(acc, j, pl.ds(0, half))
           plgpu.barrier_arrive(tile_free.at[j])
           return acc
 
         @pl.when(n_steps > 0)
         def _():
           plgpu.barrier_wait(p_free)        # observe warpgroup 1's last release
-        m_i = plgpu.load(m_smem, layout=col_vec)
-        l_i = plgpu.load(l_smem, layout=col_vec)
-        has = l_i > 0
-        alpha_smem[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2,
-                                    -jnp.inf)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(alpha_smem, lse_ref.at[b, sp])
+        store_lse(m_smem, l_smem, alpha_smem, lse_ref.at[b, sp], col_vec)
         return acc
 
       def wg1_loop(acc):
@@ -300,19 +258,12 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       if not interpret:
         plgpu.set_max_registers(32, action="decrease")
 
-      @pl.loop(0, n_steps)
-      def _(i):
+      def load_raw(i):
         j = lax.rem(i, 2)
+        load(i, nope_ref, raw_smem.at[j], raw_full.at[j])
+        load(i, scale_ref, scale_smem.at[j], raw_full.at[j])
 
-        @pl.when(i >= 2)
-        def _():
-          plgpu.barrier_wait(raw_free.at[j])
-        copy_block(i, nope_ref, raw_smem.at[j], raw_full.at[j])
-        copy_block(i, scale_ref, scale_smem.at[j], raw_full.at[j])
-
-      @pl.loop(jnp.maximum(n_steps - 2, 0), n_steps)
-      def _(i):
-        plgpu.barrier_wait(raw_free.at[lax.rem(i, 2)])
+      produce(n_steps, 2, raw_free, load_raw)
 
     @pl.when(wg == 3)
     def _rope_producer():
@@ -324,7 +275,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
         @pl.when(i >= 1)
         def _():
           plgpu.barrier_wait(rope_free)     # block i - 1's scores are done
-        copy_block(i, rope_ref, rope_smem, rope_full)
+        load(i, rope_ref, rope_smem, rope_full)
 
       @pl.when(n_steps > 0)
       def _():

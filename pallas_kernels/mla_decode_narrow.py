@@ -43,8 +43,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.common import F32
-from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, LN2, LOG2E, MASKED, DecodeConfig,
-                                       Geometry, combine, num_sms, split_count)
+from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, LOG2E, DecodeConfig, Geometry, combine,
+                                       num_sms, split_count)
+from pallas_kernels.mla_decode_parts import (accumulate, convert_fp8, copy_geometry, kv_producer,
+                                             masked_positions, online_softmax, program_blocks,
+                                             store_lse)
 
 MAX_ROWS = 32       # query rows (s_q x H) this path takes
 CONVERT_COLS = 64   # per_token_head: columns dequantized at a time
@@ -107,8 +110,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
   bits = dtype.itemsize * 8
   tile = (plgpu.TilingTransform((8, 1024 // bits)), plgpu.SwizzleTransform(128))
   fp8_tile = (plgpu.TilingTransform((8, CONVERT_COLS)), plgpu.SwizzleTransform(CONVERT_COLS))
-  copies = 1 if page_size >= BLOCK_KV else BLOCK_KV // page_size
-  rows_per_copy = min(page_size, BLOCK_KV)
+  copies, _ = copy_geometry(page_size)
   score_scale = sm_scale * LOG2E
   row_vec = plgpu.Layout.WGMMA.reduce(1)    # one value per token (a row of S^T)
   col_vec = plgpu.Layout.WGMMA.reduce(0)    # one value per query row (a column of S^T)
@@ -125,34 +127,17 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
     sp = lax.axis_index("s")
     b = lax.axis_index("b")
     wg = lax.axis_index("wg")
-    length = len_ref[b]
-    n_blocks = lax.div(length + (BLOCK_KV - 1), BLOCK_KV)
-    per_split = lax.div(n_blocks + (splits - 1), splits)
-    first = sp * per_split
-    n_steps = jnp.maximum(jnp.minimum(first + per_split, n_blocks) - first, 0)
+    length, first, n_steps = program_blocks(len_ref, b, sp, splits)
     col0 = pl.ds(wg * half, half)
 
     def sync_compute():
       plgpu.barrier_arrive(sync_bar)
       plgpu.barrier_wait(sync_bar)
 
-    def accumulate(acc, slot):
+    def accumulate_values(acc, slot):
       """acc (half, N) += V^T . P over this warpgroup's half of the value columns."""
       values = (key_tile.at[:, col0] if quantized else kv_smem.at[slot, :, col0])
-      values_t = values.transpose((1, 0))
-      p_t = p_smem.transpose((1, 0))
-      if interpret:
-        # The interpreter cannot pre-initialize an accumulator: add a fresh product.
-        def product(r):
-          plgpu.wgmma(r, values_t, p_t)
-          return r[...]
-
-        return acc + pl.run_scoped(product, plgpu.ACC((half, N), F32))
-
-      def product(acc_ref):
-        plgpu.wgmma(acc_ref, values_t, p_t)
-
-      return pl.run_state(product)(plgpu.ACC.init(acc))
+      return accumulate(acc, values.transpose((1, 0)), p_smem.transpose((1, 0)), interpret)
 
     @pl.when(wg < 2)
     def _compute():
@@ -187,31 +172,14 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
           return s_ref[...]
 
         s = pl.run_scoped(scores, plgpu.ACC((BLOCK_KV, N), F32))
-        block = first + i
-        pos = block * BLOCK_KV + tok
-        # Positions of out-of-range pages move past every limit (integer arithmetic only:
-        # vectors of booleans have no register layout here).
-        if copies == 1:
-          pos = pos + (1 - ok_ref[b, lax.div(block * BLOCK_KV, page_size)]) * MASKED
-        else:
-          page_in_block = lax.div(tok, page_size)
-          penalty = jnp.zeros_like(tok)
-          for c in range(copies):
-            bad = 1 - ok_ref[b, jnp.minimum(block * copies + c, P - 1)]
-            penalty = jnp.where(page_in_block == c, bad * MASKED, penalty)
-          pos = pos + penalty
+        pos = masked_positions(tok, first + i, ok_ref, b, page_size=page_size, P=P)
         if quantized:
           row_scale = lax.broadcast_in_dim(
               plgpu.load(scale_smem.at[slot], layout=row_vec), (BLOCK_KV, N), [0])
           s = s * row_scale
         s = jnp.where(pos <= limit, s * score_scale, -jnp.inf)
-        m_i = plgpu.load(m_smem, layout=col_vec)
-        l_i = plgpu.load(l_smem, layout=col_vec)
-        m_new = jnp.maximum(m_i, s.max(axis=0))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_i - m_use)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [1]))
-        l_new = l_i * alpha + p.sum(axis=0)
+        m_new, alpha, p, l_new = online_softmax(
+            s, plgpu.load(m_smem, layout=col_vec), plgpu.load(l_smem, layout=col_vec), 0)
         if quantized:
           p = p * row_scale
           # The raw planes are consumed (nope converted by both warpgroups before this
@@ -238,11 +206,9 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
           # products must be done before it is overwritten, and both halves converted
           # before the score product reads it.
           sync_compute()
-          for c in range(half // CONVERT_COLS):
-            chunk = pl.ds(wg * half + c * CONVERT_COLS, CONVERT_COLS)
-            x = plgpu.load(kv_smem.at[slot, :, chunk], layout=CONVERT_LAYOUT)
-            # e4m3 -> bf16 has no conversion instruction on sm_90: through float32, exact.
-            key_tile.at[:, chunk][...] = x.astype(F32).astype(dtype)
+          convert_fp8(kv_smem, key_tile, (pl.ds(wg * half + c * CONVERT_COLS, CONVERT_COLS)
+                                          for c in range(half // CONVERT_COLS)),
+                      dtype, CONVERT_LAYOUT, src_lead=(slot,))
           plgpu.commit_smem()
           sync_compute()
 
@@ -259,7 +225,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
           plgpu.barrier_wait(p_ready)
         alpha = plgpu.load(alpha_smem, layout=col_vec)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-        acc = accumulate(acc, slot)
+        acc = accumulate_values(acc, slot)
 
         @pl.when(wg == 1)
         def _():
@@ -273,13 +239,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
         @pl.when(n_steps > 0)
         def _():
           plgpu.barrier_wait(p_free)      # observe warpgroup 1's last release
-        m_i = plgpu.load(m_smem, layout=col_vec)
-        l_i = plgpu.load(l_smem, layout=col_vec)
-        has = l_i > 0
-        alpha_smem[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2,
-                                    -jnp.inf)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(alpha_smem, lse_ref.at[b, sp])
+        store_lse(m_smem, l_smem, alpha_smem, lse_ref.at[b, sp], col_vec)
 
       sync_compute()
       l_all = plgpu.load(l_smem, layout=col_vec)
@@ -293,42 +253,11 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
 
     @pl.when(wg == 2)
     def _producer():
-      if not interpret:
-        plgpu.set_max_registers(40, action="decrease")
-
-      def load(i):
-        slot = lax.rem(i, stages)
-        start = (first + i) * BLOCK_KV
-        for c in range(copies):
-          position = start + c * rows_per_copy
-          page = pt_ref[b, jnp.minimum(lax.div(position, page_size), P - 1)]
-          row = page * page_size + lax.rem(position, page_size)
-          dst = pl.ds(c * rows_per_copy, rows_per_copy)
-          if quantized:
-            plgpu.copy_gmem_to_smem(nope_ref.at[pl.ds(row, rows_per_copy)],
-                                    kv_smem.at[slot, dst], kv_bar.at[slot])
-            plgpu.copy_gmem_to_smem(rope_ref.at[pl.ds(row, rows_per_copy)],
-                                    rope_smem.at[slot, dst], kv_bar.at[slot])
-            plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(row, rows_per_copy)],
-                                    scale_smem.at[slot, dst], kv_bar.at[slot])
-          else:
-            plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, rows_per_copy)],
-                                    kv_smem.at[slot, dst], kv_bar.at[slot])
-
-      @pl.loop(0, n_steps)
-      def _(i):
-        slot = lax.rem(i, stages)
-
-        @pl.when(i >= stages)
-        def _():
-          plgpu.barrier_wait(free_bar.at[slot])
-        load(i)
-
-      # Observe the last blocks' releases too, so that every barrier phase is consumed
-      # when the program ends (the interpreter checks it; on the GPU it costs nothing).
-      @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
-      def _(i):
-        plgpu.barrier_wait(free_bar.at[lax.rem(i, stages)])
+      gmem = (nope_ref, rope_ref, scale_ref) if quantized else (kv_ref,)
+      smem = (kv_smem, rope_smem, scale_smem) if quantized else (kv_smem,)
+      kv_producer(gmem, smem, kv_bar=kv_bar, free_bar=free_bar, stages=stages, pt_ref=pt_ref,
+                  b=b, first=first, n_steps=n_steps, page_size=page_size, P=P,
+                  interpret=interpret)
 
   per_block = 3 * copies if quantized else copies
   if quantized:

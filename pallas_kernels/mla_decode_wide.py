@@ -34,8 +34,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.common import F32
-from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, LN2, LOG2E, MASKED, DecodeConfig,
-                                       Geometry, combine, num_sms, split_count)
+from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, LN2, LOG2E, DecodeConfig, Geometry,
+                                       combine, num_sms, split_count)
+from pallas_kernels.mla_decode_parts import (convert_fp8, copy_geometry, kv_producer,
+                                             masked_positions, online_softmax, program_blocks)
 
 BLOCK_M = 64        # query rows per tile (a wgmma's M)
 CONVERT_COLS = 64   # per_token_head: columns dequantized at a time
@@ -75,8 +77,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
   # 64-byte swizzle for the fp8 plane: its (8, 64) tiles match the 64-column chunks that
   # are converted at a time.
   fp8_tile = (plgpu.TilingTransform((8, CONVERT_COLS)), plgpu.SwizzleTransform(CONVERT_COLS))
-  copies = 1 if page_size >= BLOCK_KV else BLOCK_KV // page_size
-  rows_per_copy = min(page_size, BLOCK_KV)
+  copies, _ = copy_geometry(page_size)
   score_scale = sm_scale * LOG2E
 
   def body(*refs):
@@ -93,11 +94,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
     sp = lax.axis_index("s")
     b = lax.axis_index("b")
     wg = lax.axis_index("wg")
-    length = len_ref[b]
-    n_blocks = lax.div(length + (BLOCK_KV - 1), BLOCK_KV)
-    per_split = lax.div(n_blocks + (splits - 1), splits)
-    first = sp * per_split
-    n_steps = jnp.maximum(jnp.minimum(first + per_split, n_blocks) - first, 0)
+    length, first, n_steps = program_blocks(len_ref, b, sp, splits)
 
     def sync_compute():
       plgpu.barrier_arrive(sync_bar)
@@ -140,13 +137,9 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
           # done before it is overwritten, and this block's conversion (each warpgroup its
           # half of the columns) complete before either reads it.
           sync_compute()
-          # 64-column chunks keep the temporaries at 32 registers a thread.
-          for c in range(half // CONVERT_COLS):
-            chunk = pl.ds(wg * half + c * CONVERT_COLS, CONVERT_COLS)
-            x = plgpu.load(kv_smem.at[slot, :, chunk], layout=plgpu.Layout.WGMMA)
-            # e4m3 -> bf16 has no conversion instruction on sm_90 (ptxas 12/13): through
-            # float32, exact like e4m3 -> f16.
-            key_tile.at[:, chunk][...] = x.astype(F32).astype(dtype)
+          convert_fp8(kv_smem, key_tile, (pl.ds(wg * half + c * CONVERT_COLS, CONVERT_COLS)
+                                          for c in range(half // CONVERT_COLS)),
+                      dtype, plgpu.Layout.WGMMA, src_lead=(slot,))
           plgpu.commit_smem()
           sync_compute()
 
@@ -159,19 +152,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
           return s_ref[...]
 
         s = pl.run_scoped(scores, plgpu.ACC((BLOCK_M, BLOCK_KV), F32))
-        # Positions of out-of-range pages move past every limit (integer arithmetic only:
-        # vectors of booleans have no register layout here).
-        pos = block * BLOCK_KV + cols
-        if copies == 1:
-          bad = 1 - ok_ref[b, lax.div(block * BLOCK_KV, page_size)]
-          pos = pos + bad * MASKED
-        else:
-          page_in_block = lax.div(cols, page_size)
-          penalty = jnp.zeros_like(cols)
-          for c in range(copies):
-            bad = 1 - ok_ref[b, jnp.minimum(block * copies + c, P - 1)]
-            penalty = jnp.where(page_in_block == c, bad * MASKED, penalty)
-          pos = pos + penalty
+        pos = masked_positions(cols, block, ok_ref, b, page_size=page_size, P=P)
         visible = pos <= limit
         if quantized:
           col_scale = lax.broadcast_in_dim(
@@ -182,11 +163,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
           # scales loaded): the producer may refill the stage now.
           plgpu.barrier_arrive(free_bar.at[slot])
         s = jnp.where(visible, s * score_scale, -jnp.inf)
-        m_new = jnp.maximum(m_i, s.max(axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_i - m_use)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-        l_i = l_i * alpha + p.sum(axis=1)
+        m_new, alpha, p, l_i = online_softmax(s, m_i, l_i, 1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         pv = (p * col_scale if quantized else p).astype(dtype)
         values = key_tile.at[:, col0] if quantized else kv_smem.at[slot, :, col0]
@@ -238,42 +215,11 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
 
     @pl.when(wg == 2)
     def _producer():
-      if not interpret:
-        plgpu.set_max_registers(40, action="decrease")
-
-      def load(i):
-        slot = lax.rem(i, stages)
-        start = (first + i) * BLOCK_KV
-        for c in range(copies):
-          position = start + c * rows_per_copy
-          page = pt_ref[b, jnp.minimum(lax.div(position, page_size), P - 1)]
-          row = page * page_size + lax.rem(position, page_size)
-          dst = pl.ds(c * rows_per_copy, rows_per_copy)
-          if quantized:
-            plgpu.copy_gmem_to_smem(nope_ref.at[pl.ds(row, rows_per_copy)],
-                                    kv_smem.at[slot, dst], kv_bar.at[slot])
-            plgpu.copy_gmem_to_smem(rope_ref.at[pl.ds(row, rows_per_copy)],
-                                    rope_smem.at[slot, dst], kv_bar.at[slot])
-            plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(row, rows_per_copy)],
-                                    scale_smem.at[slot, dst], kv_bar.at[slot])
-          else:
-            plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds(row, rows_per_copy)],
-                                    kv_smem.at[slot, dst], kv_bar.at[slot])
-
-      @pl.loop(0, n_steps)
-      def _(i):
-        slot = lax.rem(i, stages)
-
-        @pl.when(i >= stages)
-        def _():
-          plgpu.barrier_wait(free_bar.at[slot])
-        load(i)
-
-      # Observe the last blocks' releases too, so that every barrier phase is consumed
-      # when the program ends (the interpreter checks it; on the GPU it costs nothing).
-      @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
-      def _(i):
-        plgpu.barrier_wait(free_bar.at[lax.rem(i, stages)])
+      gmem = (nope_ref, rope_ref, scale_ref) if quantized else (kv_ref,)
+      smem = (kv_smem, rope_smem, scale_smem) if quantized else (kv_smem,)
+      kv_producer(gmem, smem, kv_bar=kv_bar, free_bar=free_bar, stages=stages, pt_ref=pt_ref,
+                  b=b, first=first, n_steps=n_steps, page_size=page_size, P=P,
+                  interpret=interpret)
 
   per_block = 3 * copies if quantized else copies
   if quantized:

@@ -1,0 +1,163 @@
+"""Kernel-body pieces shared by the mla_decode paths (converter, narrow, wide).
+
+Each runs inside a Mosaic GPU kernel body (traced once per program); none allocates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import F32
+from pallas_kernels.mla_decode import BLOCK_KV, LN2, MASKED
+
+
+def copy_geometry(page_size: int) -> tuple[int, int]:
+  """(TMA copies per KV block, rows per copy): one per page a 64-token block spans."""
+  return (1 if page_size >= BLOCK_KV else BLOCK_KV // page_size), min(page_size, BLOCK_KV)
+
+
+def program_blocks(len_ref, b, sp, splits: int):
+  """(length, first block, number of blocks) of split `sp` of sequence b: the blocks of
+  the sequence are dealt out in equal runs to the `splits` programs of the sequence."""
+  length = len_ref[b]
+  n_blocks = lax.div(length + (BLOCK_KV - 1), BLOCK_KV)
+  per_split = lax.div(n_blocks + (splits - 1), splits)
+  first = sp * per_split
+  n_steps = jnp.maximum(jnp.minimum(first + per_split, n_blocks) - first, 0)
+  return length, first, n_steps
+
+
+def copy_block(pt_ref, b, block, planes, barrier, *, page_size: int, P: int):
+  """TMA copies of KV block `block` of sequence b, page by page through the page table.
+
+  planes: (src, dst, lead) triples: src (rows, ...) in global memory, dst a shared-memory
+  ref whose ``dst.at[(*lead, rows_of_the_copy)]`` receives BLOCK_KV rows. Every copy
+  arrives on `barrier` (copies x len(planes) arrivals). Page ids were made safe before
+  the kernel (out-of-range ones read page 0 and are masked by `masked_positions`).
+  """
+  copies, rows_per_copy = copy_geometry(page_size)
+  start = block * BLOCK_KV
+  for c in range(copies):
+    position = start + c * rows_per_copy
+    page = pt_ref[b, jnp.minimum(lax.div(position, page_size), P - 1)]
+    row = page * page_size + lax.rem(position, page_size)
+    dst_rows = pl.ds(c * rows_per_copy, rows_per_copy)
+    for src, dst, lead in planes:
+      plgpu.copy_gmem_to_smem(src.at[pl.ds(row, rows_per_copy)], dst.at[(*lead, dst_rows)],
+                              barrier)
+
+
+def produce(n_steps, stages: int, free_bar, load: Callable[[jax.Array], None]) -> None:
+  """The producer warpgroup's loop over a ring of `stages` shared-memory stages: block i
+  waits until stage i % stages is released (`free_bar`), then ``load(i)`` issues its
+  copies. The last blocks' releases are observed too, so that every barrier phase is
+  consumed when the program ends (the interpreter checks it; on the GPU it costs nothing).
+  """
+  @pl.loop(0, n_steps)
+  def _(i):
+    slot = lax.rem(i, stages)
+
+    @pl.when(i >= stages)
+    def _():
+      plgpu.barrier_wait(free_bar.at[slot])
+    load(i)
+
+  @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
+  def _(i):
+    plgpu.barrier_wait(free_bar.at[lax.rem(i, stages)])
+
+
+def masked_positions(idx, block, ok_ref, b, *, page_size: int, P: int):
+  """Positions ``block * BLOCK_KV + idx`` of a score block (idx: the token index iota),
+  moved past every visibility limit where the token's page id was out of range.
+
+  Integer arithmetic only: vectors of booleans have no register layout here.
+  """
+  copies, _ = copy_geometry(page_size)
+  pos = block * BLOCK_KV + idx
+  if copies == 1:
+    return pos + (1 - ok_ref[b, lax.div(block * BLOCK_KV, page_size)]) * MASKED
+  page_in_block = lax.div(idx, page_size)
+  penalty = jnp.zeros_like(idx)
+  for c in range(copies):
+    bad = 1 - ok_ref[b, jnp.minimum(block * copies + c, P - 1)]
+    penalty = jnp.where(page_in_block == c, bad * MASKED, penalty)
+  return pos + penalty
+
+
+def online_softmax(s, m_i, l_i, axis: int):
+  """One block of the online softmax along `axis` of the (masked, log2-scaled) scores s.
+
+  Returns (m_new, alpha, p, l_new): the running max, the factor that rescales what was
+  accumulated before, the block's weights exp2(s - max) and the running sum. A row with
+  nothing visible yet keeps max -inf and gets weights 0.
+  """
+  keep = [1 - axis]
+  m_new = jnp.maximum(m_i, s.max(axis=axis))
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(m_i - m_use)
+  p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, keep))
+  l_new = l_i * alpha + p.sum(axis=axis)
+  return m_new, alpha, p, l_new
+
+
+def accumulate(acc, a, b, interpret: bool):
+  """acc + a . b on the tensor cores (wgmma; a and b shared-memory refs)."""
+  if interpret:
+    # The interpreter cannot pre-initialize an accumulator: add a fresh product.
+    def product(r):
+      plgpu.wgmma(r, a, b)
+      return r[...]
+
+    return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, F32))
+
+  def product(acc_ref):
+    plgpu.wgmma(acc_ref, a, b)
+
+  return pl.run_state(product)(plgpu.ACC.init(acc))
+
+
+def convert_fp8(src, dst, chunks, dtype, layout, src_lead=(), dst_lead=()) -> None:
+  """Exact fp8 -> `dtype` conversion of column chunks of a KV block in shared memory.
+
+  chunks: the column slices (``pl.ds``), converted one at a time (a 64-column chunk keeps
+  the temporaries at 32 registers a thread); ``src.at[(*src_lead, :, chunk)]`` ->
+  ``dst.at[(*dst_lead, :, chunk)]``, loaded and stored in `layout`. e4m3 -> bf16 has no
+  conversion instruction on sm_90 (ptxas 12/13): through float32, exact like e4m3 -> f16.
+  """
+  for chunk in chunks:
+    x = plgpu.load(src.at[(*src_lead, slice(None), chunk)], layout=layout)
+    dst.at[(*dst_lead, slice(None), chunk)][...] = x.astype(F32).astype(dtype)
+
+
+def kv_producer(gmem, smem, *, kv_bar, free_bar, stages: int, pt_ref, b, first, n_steps,
+                page_size: int, P: int, interpret: bool) -> None:
+  """The producer warpgroup of the narrow and wide paths: blocks first, first + 1, ... of
+  the program, each plane of `gmem` into the ring `smem` (one (stages, BLOCK_KV, ...) ref
+  per plane), stage i % stages signalled on ``kv_bar.at[slot]``."""
+  if not interpret:
+    plgpu.set_max_registers(40, action="decrease")
+
+  def load(i):
+    slot = lax.rem(i, stages)
+    planes = tuple((src, dst, (slot,)) for src, dst in zip(gmem, smem))
+    copy_block(pt_ref, b, first + i, planes, kv_bar.at[slot], page_size=page_size, P=P)
+
+  produce(n_steps, stages, free_bar, load)
+
+
+def store_lse(m_smem, l_smem, staging, dst, layout) -> None:
+  """lse = ln(sum) + max (natural log; -inf where nothing was visible) from the running
+  max and sum in shared memory, through `staging` to the global-memory ref `dst`."""
+  m_i = plgpu.load(m_smem, layout=layout)
+  l_i = plgpu.load(l_smem, layout=layout)
+  has = l_i > 0
+  staging[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2, -jnp.inf)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(staging, dst)
