@@ -175,6 +175,21 @@ def _for_groups(groups, refs, fn):
     pl.when(mine)(functools.partial(fn, g, member, [refs[k] for k in g.members]))
 
 
+def _chunk_start(pdl: bool, per_program: int, indices, barrier):
+  """The start of a program of either pass: wait for the previous launch (PDL), load the
+  program's chunk of each index array into shared memory. Returns the chunk's first item.
+
+  indices: (gmem, smem) pairs, one per index array of the pass.
+  """
+  if pdl:
+    plgpu.griddepcontrol_wait()
+  chunk = jax.lax.axis_index("chunk")
+  first = chunk * per_program
+  mc.load_indices([(gmem.at[pl.ds(first, per_program)], smem) for gmem, smem in indices],
+                  barrier)
+  return first
+
+
 def _save_endangered(interpret, views, item_src, item_save, *, groups, num_items,
                      per_program, item_rows, pdl):
   """Pass 1: ``temp[item] = view[item_src[item]]`` for the items marked in ``item_save``."""
@@ -183,12 +198,8 @@ def _save_endangered(interpret, views, item_src, item_save, *, groups, num_items
   def body(src_gmem, save_gmem, *rest):
     sources, temps = rest[:len(views)], rest[len(views):len(views) + len(groups)]
     src_smem, save_smem, index_barrier = rest[len(views) + len(groups):]
-    if pdl:
-      plgpu.griddepcontrol_wait()
-    chunk = jax.lax.axis_index("chunk")
-    first = chunk * per_program
-    mc.load_indices([(src_gmem.at[pl.ds(first, per_program)], src_smem),
-                     (save_gmem.at[pl.ds(first, per_program)], save_smem)], index_barrier)
+    first = _chunk_start(pdl, per_program, [(src_gmem, src_smem), (save_gmem, save_smem)],
+                         index_barrier)
     temp_of = dict(zip(groups, temps))
 
     def group_body(g, member, group_sources):
@@ -243,13 +254,8 @@ def _move_items(refs, item_src, item_tgt, item_save, temps, *, groups, num_items
     saved = rest[:len(groups)]
     buffers = rest[len(groups):len(groups) + len(refs)]
     src_smem, tgt_smem, save_smem, index_barrier = rest[len(groups) + len(refs):]
-    if pdl:
-      plgpu.griddepcontrol_wait()
-    chunk = jax.lax.axis_index("chunk")
-    first = chunk * per_program
-    mc.load_indices([(src_gmem.at[pl.ds(first, per_program)], src_smem),
-                     (tgt_gmem.at[pl.ds(first, per_program)], tgt_smem),
-                     (save_gmem.at[pl.ds(first, per_program)], save_smem)], index_barrier)
+    first = _chunk_start(pdl, per_program, [(src_gmem, src_smem), (tgt_gmem, tgt_smem),
+                                            (save_gmem, save_smem)], index_barrier)
     temp_of = dict(zip(groups, saved))
 
     def group_body(g, member, group_buffers):
