@@ -4,11 +4,11 @@
 #   [tests|decode|decode_bench|diag_decode|demo|deepseek|moves|rope|rope_bench|sanitize|diag|
 #    diag_moves|ptx|bench|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
 #
-# Budget notes (H200, jax 0.11.2): a 61-layer Mosaic move kernel lowers in < 2 s of host time
-# (since the issue-17 split; ~20 s before); the move GPU tests take ~100 s, the decode GPU
-# tests ~165 s, the full benchmark ~5 min and
-# the GPU tests ~6 min. Each part has its own timeout; pytest gets SIGINT so it still
-# prints its summary, and every part writes its log under $OUT.
+# Budget notes (H200, jax 0.11.2; 30 min of device time a session, a cold start ~1-1.5 min):
+# a 61-layer Mosaic move kernel lowers in < 2 s of host time; the move GPU tests take ~100 s,
+# the decode GPU tests ~180 s, `decode_bench` (4 impls, 7 shapes) ~150 s, `demo` ~2 x 75 s,
+# the full benchmark ~5 min and the GPU tests ~6 min. Each part has its own timeout; pytest
+# gets SIGINT so it still prints its summary, and every part writes its log under $OUT.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

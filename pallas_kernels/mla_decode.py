@@ -22,17 +22,19 @@ positions ``0 .. seq_lens - s_q + j``. Page ids outside ``[0, rows // page_size)
 replaced by page 0 before the kernel (so every copy stays inside the buffer) and their
 positions are masked out of the softmax.
 
-Two kernel paths, tried in this order (the first that takes the call runs; each module's
+Three kernel paths, tried in this order (the first that takes the call runs; each module's
 ``takes`` says why not):
 
-1. ``mla_decode_narrow`` -- at most 32 query rows (s_q x H) per sequence, e.g. DeepSeek-V3's
+1. ``mla_decode_converter`` -- per_token_head with at most 16 query rows: as narrow, with a
+   warpgroup that converts the next fp8 block into a second tile while the other computes.
+2. ``mla_decode_narrow`` -- at most 32 query rows (s_q x H) per sequence, e.g. DeepSeek-V3's
    16 heads per GPU under 8-way tensor parallelism: the tokens are the wgmma M dimension and
    the query rows its N (S^T = K Q^T, out^T = V^T P^T), so nothing is padded to 64 rows and
    the score product is computed once.
-2. ``mla_decode_wide`` -- any number of query rows: the query rows are the M dimension in
+3. ``mla_decode_wide`` -- any number of query rows: the query rows are the M dimension in
    tiles of 64 (the compute-bound case: H=128).
 
-Both: one program per (M tile, split, sequence) with a TMA producer warpgroup that follows
+All: one program per (M tile, split, sequence) with a TMA producer warpgroup that follows
 the page table and two wgmma compute warpgroups; online softmax; flash-decoding splits
 (ranges computed on the device from seq_lens) merged here by their lse.
 ``DecodeConfig(path=...)`` forces one path (benchmarks and tests).
