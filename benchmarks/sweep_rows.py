@@ -130,7 +130,6 @@ def make_case(op, T, geo, bases, rng):
 
 def time_kernels(op, kernels, args, bases, iters):
   """Device us per call of each kernel (list), their outputs and breakdown per kernel."""
-  n = len(kernels)
   if op == "get":
     kv = bases["kv"]
     step = lambda st: (st[0], tuple(k(kv, *args) for k in kernels))

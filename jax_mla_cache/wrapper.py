@@ -12,7 +12,6 @@ import logging
 from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_mla_cache import attention, dispatch, offload, rope_write

@@ -60,3 +60,27 @@ def test_every_op_lowers_for_cuda_in_place(cfg):
   # every cache buffer of the donated state is aliased to an output
   n_buffers = len(jax.tree.leaves(cache))
   assert text.count("tf.aliasing_output") >= n_buffers
+
+
+def test_kernel_fn_is_shared_by_equal_builds():
+  """`common.dispatch` jits a kernel once per distinct build: partials of the same function
+  with equal static arguments share it (every layer of a model step calls one kernel), any
+  other argument gets its own, and builds it cannot key (unhashable arguments, plain
+  callables) are used as given."""
+  import functools
+
+  from pallas_kernels import common
+
+  def kernel(interpret, *, width, dtype):
+    return lambda x: (x * width).astype(dtype)
+
+  build = lambda **kw: functools.partial(kernel, **kw)
+  a = common.kernel_fn(build(width=2, dtype=jnp.dtype(jnp.float32)), False)
+  assert a is common.kernel_fn(build(dtype=jnp.dtype(jnp.float32), width=2), False)
+  assert a is not common.kernel_fn(build(width=3, dtype=jnp.dtype(jnp.float32)), False)
+  assert a is not common.kernel_fn(build(width=2, dtype=jnp.dtype(jnp.float32)), True)
+  np.testing.assert_array_equal(a(jnp.arange(3.0)), [0.0, 2.0, 4.0])
+  unhashable = common.kernel_fn(functools.partial(kernel, width=[2], dtype=jnp.float32), False)
+  assert not hasattr(unhashable, "lower")            # not jitted: used as given
+  plain = lambda interpret: jnp.negative
+  assert common.kernel_fn(plain, False) is jnp.negative

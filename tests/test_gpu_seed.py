@@ -4,7 +4,6 @@ SPEC §3's strongest check: the seed's `set_mla_kv_buffer` quantization, run by 
 the same GPU on the same inputs, against both of our implementations.
 """
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np

@@ -9,7 +9,6 @@ import pytest
 
 import jax_mla_cache as mc
 
-from tests.conftest import has_gpu
 
 
 def cache_shapes(cfg):
