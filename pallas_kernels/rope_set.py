@@ -344,7 +344,8 @@ def _build(interpret, *, T, H, Hb, B, rows, R, Rr, positions, in_dtypes, out_dty
     limits = (common.finite_max(kn_dtype), common.finite_max(F32)) if sanitize else None
     q8_sm[...], ro_sm[...], s_sm[...] = quantize_block(
         plgpu.load(kn_sm, layout=ln).astype(F32), plgpu.load(rot_sm, layout=lr),
-        ln=ln, lr=lr, rope_dtype=rope_dtype, interpret=interpret, sanitize_limits=limits)
+        ln=ln, lr=lr, rope_dtype=rope_dtype, interpret=interpret, sanitize_limits=limits,
+        valid_rows=B)
     plgpu.commit_smem()
     store_rows(rs, rows, [(q8_sm, qb_ref), (ro_sm, rb_ref)], [(s_sm, sb_ref)])
 
