@@ -494,8 +494,8 @@ def quantize_block(x, y, *, ln, lr, rope_dtype, interpret, sanitize_limits=None,
     y: (rows, Rr) float32 rope values in the row layout `lr`.
     valid_rows: None, or the static number of leading rows that hold tokens. The rows
       after them (the block's padding: uninitialized shared memory) are zeroed first:
-      garbage there is often NaN, inf or subnormal, which sends ``div.rn.f32`` down its
-      slow path for the whole warp (H200: a one-token write took 3.8 us instead of ~1.3).
+      garbage there can be NaN, inf or subnormal, which sends ``div.rn.f32`` down its
+      slow path (see `common.true_divide`).
     sanitize_limits: None, or (x_limit, y_limit) for SPEC §9: NaN -> 0 and +-inf ->
       +-limit (the largest finite values of the input dtypes) before quantizing, and a
       rope quotient beyond rope_dtype's range clamped to its largest finite value.
@@ -608,27 +608,46 @@ def get_rows(kv, loc, *, kv_lora_rank: int, dst_dtype, pdl: bool = False,
         _get_rows_regs, T=T, rows=rows, R=R, Rr=Rr, dtype=dtype, dst=dst, B=B, pdl=pdl,
         prefetch=config.loc_prefetch, tag=config.kernel_tag,
     )
-  nope, rope = common.dispatch(
-      build, kv.reshape(rows, W), exact.index_to_int32(loc), common.zeros_row(W, dtype)
-  )
+  nope, rope = common.dispatch(build, kv.reshape(rows, W), exact.index_to_int32(loc))
   nope, rope = nope.reshape(T, 1, R), rope.reshape(T, 1, Rr)
   if convert_after:
     return common.cast_to(nope, dst), common.cast_to(rope, dst)
   return nope, rope
 
 
-def _load_row_or_zeros(src, zeros, dst, bar, r, rows):
-  """Bulk-load row r of `src` (a ref view per row: src(r)) into dst, or zeros if r is bad.
+def _load_row(src, dst, bar, r, rows):
+  """Bulk-load row r of `src` (a ref view per row: src(r)) into dst. An out-of-range r
+  loads row 0 instead (nothing outside the buffer is read); `_zero_bad_rows` then clears
+  it. One copy either way, so the barrier always sees one arrival."""
+  plgpu.copy_gmem_to_smem(src(jnp.where(common.valid_row(r, rows), r, 0)), dst, bar,
+                          **_PROMISE)
 
-  Exactly one of the two copies runs, so the barrier always sees one arrival.
-  """
-  @pl.when(common.valid_row(r, rows))
-  def _():
-    plgpu.copy_gmem_to_smem(src(r), dst, bar, **_PROMISE)
 
-  @pl.when(common.invalid_row(r, rows))
-  def _():
-    plgpu.copy_gmem_to_smem(zeros, dst, bar, **_PROMISE)
+def _zero_bad_rows(slots, rows: int, blocks, first: int = 0) -> None:
+  """Once the loads have landed: row first + i of every shared-memory block becomes zeros
+  where slots[i] is out of range (thread stores; the caller's `commit_smem` orders them
+  before the bulk stores or register loads that read the blocks). Out-of-range reads give
+  zeros this way without a zero row in global memory (an XLA broadcast kernel per call)."""
+  for i, r in enumerate(slots):
+    @pl.when(common.invalid_row(r, rows))
+    def _():
+      for block in blocks:
+        _store_zeros(block.at[first + i])
+
+
+def _store_zeros(row) -> None:
+  """Zero a 1-D shared-memory row: one vector store per thread when the warpgroup's 128
+  threads split it evenly, else element by element (every thread stores the same zeros)."""
+  n = row.shape[0]
+  if n % 128 == 0:
+    row[...] = jnp.zeros(row.shape, row.dtype)
+    return
+
+  def zero(j, carry):
+    row[j] = jnp.zeros((), row.dtype)
+    return carry
+
+  jax.lax.fori_loop(0, n, zero, None)
 
 
 def _block_slots(loc_ref, t0, B: int, prefetch: bool):
@@ -643,20 +662,22 @@ def _get_rows_copy(interpret, *, T, rows, R, Rr, dtype, B, pdl, stages=1, prefet
                    tag=""):
   n = B // stages  # tokens per stage
 
-  def body(kv_ref, loc_ref, z_ref, on_ref, or_ref, nsm, rsm, bar):
+  def body(kv_ref, loc_ref, on_ref, or_ref, nsm, rsm, bar):
     _pdl_prologue(pdl, interpret)
     t0 = _block_start(B, T)
     slot = _block_slots(loc_ref, t0, B, prefetch)
+    rs = []
     for i in range(B):
       r = slot(i)
+      rs.append(r)
       b = _bar(bar, i // n, stages)
-      _load_row_or_zeros(lambda r: kv_ref.at[r, pl.ds(0, R)], z_ref.at[0, pl.ds(0, R)],
-                         nsm.at[i], b, r, rows)
-      _load_row_or_zeros(lambda r: kv_ref.at[r, pl.ds(R, Rr)], z_ref.at[0, pl.ds(R, Rr)],
-                         rsm.at[i], b, r, rows)
+      _load_row(lambda r: kv_ref.at[r, pl.ds(0, R)], nsm.at[i], b, r, rows)
+      _load_row(lambda r: kv_ref.at[r, pl.ds(R, Rr)], rsm.at[i], b, r, rows)
     for c in range(stages):
       s0 = c * n
       plgpu.barrier_wait(_bar(bar, c, stages))
+      _zero_bad_rows(rs[s0:s0 + n], rows, (nsm, rsm), first=s0)
+      plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(_stage(nsm, s0, n, stages), on_ref.at[pl.ds(t0 + s0, n)],
                               commit_group=False)
       plgpu.copy_smem_to_gmem(_stage(rsm, s0, n, stages), or_ref.at[pl.ds(t0 + s0, n)],
@@ -679,14 +700,16 @@ def _get_rows_regs(interpret, *, T, rows, R, Rr, dtype, dst, B, pdl, prefetch=Fa
   ln = common.strided_layout((Bc, R), dtype, dst)
   lr = common.strided_layout((Bc, Rr), dtype, dst)
 
-  def body(kv_ref, loc_ref, z_ref, on_ref, or_ref, csm, nsm, rsm, bar):
+  def body(kv_ref, loc_ref, on_ref, or_ref, csm, nsm, rsm, bar):
     _pdl_prologue(pdl, interpret)
     t0 = _block_start(B, T)
     slot = _block_slots(loc_ref, t0, B, prefetch)
-    for i in range(B):
-      r = slot(i)
-      _load_row_or_zeros(lambda r: kv_ref.at[r], z_ref.at[0], csm.at[i], bar, r, rows)
+    rs = [slot(i) for i in range(B)]
+    for i, r in enumerate(rs):
+      _load_row(lambda r: kv_ref.at[r], csm.at[i], bar, r, rows)
     plgpu.barrier_wait(bar)
+    _zero_bad_rows(rs, rows, (csm,))
+    plgpu.commit_smem()
     nsm[...] = common.cast_to(plgpu.load(csm.at[:, pl.ds(0, R)], layout=ln), dst)
     rsm[...] = common.cast_to(plgpu.load(csm.at[:, pl.ds(R, Rr)], layout=lr), dst)
     plgpu.commit_smem()
@@ -743,7 +766,7 @@ def get_rows_per_token_head(
   )
   nope, rope = common.dispatch(
       build, nope_buf.reshape(rows, R), scale_buf.reshape(rows), rope_buf.reshape(rows, Rr),
-      exact.index_to_int32(loc), common.zeros_row(R, FP8_E4M3), common.zeros_row(Rr, rope_dtype),
+      exact.index_to_int32(loc),
   )
   return nope.reshape(T, 1, R), rope.reshape(T, 1, Rr)
 
@@ -753,17 +776,14 @@ def _get_pth(interpret, *, T, rows, R, Rr, rope_dtype, dst, B, pdl, prefetch=Fal
   ln = common.row_layout(R, FP8_E4M3, dst)
   lr = common.row_layout(Rr, rope_dtype, dst)
 
-  def body(qb_ref, sb_ref, rb_ref, loc_ref, zq_ref, zr_ref, on_ref, or_ref,
-           qsm, rsm, ssm, nsm, orsm, bar):
+  def body(qb_ref, sb_ref, rb_ref, loc_ref, on_ref, or_ref, qsm, rsm, ssm, nsm, orsm, bar):
     _pdl_prologue(pdl, interpret)
     t0 = _block_start(B, T)
     slot = _block_slots(loc_ref, t0, B, prefetch)
-    rs = []
-    for i in range(B):
-      r = slot(i)
-      rs.append(r)
-      _load_row_or_zeros(lambda r: qb_ref.at[r], zq_ref.at[0], qsm.at[i], bar, r, rows)
-      _load_row_or_zeros(lambda r: rb_ref.at[r], zr_ref.at[0], rsm.at[i], bar, r, rows)
+    rs = [slot(i) for i in range(B)]
+    for i, r in enumerate(rs):
+      _load_row(lambda r: qb_ref.at[r], qsm.at[i], bar, r, rows)
+      _load_row(lambda r: rb_ref.at[r], rsm.at[i], bar, r, rows)
     for i, r in enumerate(rs):
       ok = common.valid_row(r, rows)
       s = sb_ref[jnp.where(ok, r, 0)]  # always an in-bounds read
@@ -771,7 +791,8 @@ def _get_pth(interpret, *, T, rows, R, Rr, rope_dtype, dst, B, pdl, prefetch=Fal
     for i in range(B, Bc):
       ssm[i] = jnp.float32(0)
     plgpu.barrier_wait(bar)
-    plgpu.commit_smem()  # warpgroup barrier: every thread's ssm stores are visible
+    _zero_bad_rows(rs, rows, (qsm, rsm))
+    plgpu.commit_smem()  # warpgroup barrier: every thread's ssm and zero stores are visible
     scale = plgpu.load(ssm, layout=ln.reduce(1))
     x = common.multiply(plgpu.load(qsm, layout=ln).astype(F32), scale, interpret)
     nsm[...] = common.cast_from_f32(x, dst)
