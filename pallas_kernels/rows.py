@@ -659,6 +659,27 @@ def _block_slots(loc_ref, t0, B: int, prefetch: bool):
   return lambda i: loc_ref[t0 + i]
 
 
+
+def _load_block(loc_ref, t0, B: int, prefetch: bool, load) -> list:
+  """Issue the loads of a block's tokens: load(i, r) for token i at slot r (slots read as
+  `_block_slots` says). Returns the slots."""
+  slot = _block_slots(loc_ref, t0, B, prefetch)
+  rs = []
+  for i in range(B):
+    rs.append(slot(i))
+    load(i, rs[-1])
+  return rs
+
+
+def _store_block(blocks, t0, B: int) -> None:
+  """After the block's shared-memory stores: bulk-store rows [0, B) of every (smem block,
+  gmem output) pair to rows [t0, t0 + B) and wait until shared memory may be reused."""
+  plgpu.commit_smem()
+  for src, dst in blocks:
+    plgpu.copy_smem_to_gmem(src.at[pl.ds(0, B)], dst.at[pl.ds(t0, B)], commit_group=False)
+  plgpu.commit_smem_to_gmem_group()
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
 def _get_rows_copy(interpret, *, T, rows, R, Rr, dtype, B, pdl, stages=1, prefetch=False,
                    tag=""):
   n = B // stages  # tokens per stage
@@ -666,14 +687,13 @@ def _get_rows_copy(interpret, *, T, rows, R, Rr, dtype, B, pdl, stages=1, prefet
   def body(kv_ref, loc_ref, on_ref, or_ref, nsm, rsm, bar):
     _pdl_prologue(pdl, interpret)
     t0 = _block_start(B, T)
-    slot = _block_slots(loc_ref, t0, B, prefetch)
-    rs = []
-    for i in range(B):
-      r = slot(i)
-      rs.append(r)
+
+    def load(i, r):
       b = _bar(bar, i // n, stages)
       _load_row(lambda r: kv_ref.at[r, pl.ds(0, R)], nsm.at[i], b, r, rows)
       _load_row(lambda r: kv_ref.at[r, pl.ds(R, Rr)], rsm.at[i], b, r, rows)
+
+    rs = _load_block(loc_ref, t0, B, prefetch, load)
     for c in range(stages):
       s0 = c * n
       plgpu.barrier_wait(_bar(bar, c, stages))
@@ -704,20 +724,14 @@ def _get_rows_regs(interpret, *, T, rows, R, Rr, dtype, dst, B, pdl, prefetch=Fa
   def body(kv_ref, loc_ref, on_ref, or_ref, csm, nsm, rsm, bar):
     _pdl_prologue(pdl, interpret)
     t0 = _block_start(B, T)
-    slot = _block_slots(loc_ref, t0, B, prefetch)
-    rs = [slot(i) for i in range(B)]
-    for i, r in enumerate(rs):
-      _load_row(lambda r: kv_ref.at[r], csm.at[i], bar, r, rows)
+    rs = _load_block(loc_ref, t0, B, prefetch,
+                     lambda i, r: _load_row(lambda r: kv_ref.at[r], csm.at[i], bar, r, rows))
     plgpu.barrier_wait(bar)
     _zero_bad_rows(rs, rows, (csm,))
     plgpu.commit_smem()
     nsm[...] = common.cast_to(plgpu.load(csm.at[:, pl.ds(0, R)], layout=ln), dst)
     rsm[...] = common.cast_to(plgpu.load(csm.at[:, pl.ds(R, Rr)], layout=lr), dst)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(nsm.at[pl.ds(0, B)], on_ref.at[pl.ds(t0, B)], commit_group=False)
-    plgpu.copy_smem_to_gmem(rsm.at[pl.ds(0, B)], or_ref.at[pl.ds(t0, B)], commit_group=False)
-    plgpu.commit_smem_to_gmem_group()
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _store_block([(nsm, on_ref), (rsm, or_ref)], t0, B)
 
   return _kernel(
       body, grid=pl.cdiv(T, B), name="mla_get_rows_cast" + tag, interpret=interpret,
@@ -780,11 +794,12 @@ def _get_pth(interpret, *, T, rows, R, Rr, rope_dtype, dst, B, pdl, prefetch=Fal
   def body(qb_ref, sb_ref, rb_ref, loc_ref, on_ref, or_ref, qsm, rsm, ssm, nsm, orsm, bar):
     _pdl_prologue(pdl, interpret)
     t0 = _block_start(B, T)
-    slot = _block_slots(loc_ref, t0, B, prefetch)
-    rs = [slot(i) for i in range(B)]
-    for i, r in enumerate(rs):
+
+    def load(i, r):
       _load_row(lambda r: qb_ref.at[r], qsm.at[i], bar, r, rows)
       _load_row(lambda r: rb_ref.at[r], rsm.at[i], bar, r, rows)
+
+    rs = _load_block(loc_ref, t0, B, prefetch, load)
     for i, r in enumerate(rs):
       ok = common.valid_row(r, rows)
       s = sb_ref[jnp.where(ok, r, 0)]  # always an in-bounds read
@@ -799,11 +814,7 @@ def _get_pth(interpret, *, T, rows, R, Rr, rope_dtype, dst, B, pdl, prefetch=Fal
     nsm[...] = common.cast_from_f32(x, dst)
     y = common.multiply(plgpu.load(rsm, layout=lr).astype(F32), scale, interpret)
     orsm[...] = common.cast_from_f32(y, dst)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(nsm.at[pl.ds(0, B)], on_ref.at[pl.ds(t0, B)], commit_group=False)
-    plgpu.copy_smem_to_gmem(orsm.at[pl.ds(0, B)], or_ref.at[pl.ds(t0, B)], commit_group=False)
-    plgpu.commit_smem_to_gmem_group()
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _store_block([(nsm, on_ref), (orsm, or_ref)], t0, B)
 
   return _kernel(
       body, grid=pl.cdiv(T, B), name="mla_get_rows_per_token_head" + tag, interpret=interpret,
