@@ -36,12 +36,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.common import F32
-from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, LOG2E, DecodeConfig, Geometry, combine,
+from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, DecodeConfig, Geometry, combine,
                                        num_sms, split_count)
-from pallas_kernels.mla_decode_parts import (accumulate, convert_fp8, copy_block, copy_geometry,
+from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, copy_block,
                                              masked_positions, online_softmax, produce,
-                                             program_blocks, store_lse)
-from pallas_kernels.mla_decode_narrow import CONVERT_COLS, CONVERT_LAYOUT, SMEM_LIMIT
+                                             program_blocks, prologue, publish_weights, store_lse)
+from pallas_kernels.mla_decode_narrow import CONVERT_LAYOUT, SMEM_LIMIT
 
 MAX_ROWS = 16
 
@@ -87,13 +87,7 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, safe_table, page_ok, 
 def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_scale):
   W = R + Rr
   half = R // 2
-  bits = dtype.itemsize * 8
-  tile = (plgpu.TilingTransform((8, 1024 // bits)), plgpu.SwizzleTransform(128))
-  fp8_tile = (plgpu.TilingTransform((8, CONVERT_COLS)), plgpu.SwizzleTransform(CONVERT_COLS))
-  copies, _ = copy_geometry(page_size)
-  score_scale = sm_scale * LOG2E
-  row_vec = plgpu.Layout.WGMMA.reduce(1)    # one value per token (a row of S^T)
-  col_vec = plgpu.Layout.WGMMA.reduce(0)    # one value per query row (a column of S^T)
+  tile, fp8_tile, copies, score_scale, row_vec, col_vec = prologue(dtype, page_size, sm_scale)
 
   def body(nope_ref, scale_ref, rope_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
            q_smem, raw_smem, scale_smem, rope_smem, tiles, p_smem, alpha_smem, m_smem, l_smem,
@@ -183,16 +177,8 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
           m_new, alpha, p, l_new = online_softmax(
               s, plgpu.load(m_smem, layout=col_vec), plgpu.load(l_smem, layout=col_vec), 0)
           p = p * row_scale
-
-          @pl.when(i > 0)
-          def _():
-            plgpu.barrier_wait(p_free)      # warpgroup 1 is done with the previous P, alpha
-          p_smem.transpose((1, 0))[...] = p.astype(dtype)
-          alpha_smem[...] = alpha
-          m_smem[...] = m_new
-          l_smem[...] = l_new
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(p_ready)
+          publish_weights(i, p, alpha, m_new, l_new, p_smem=p_smem, alpha_smem=alpha_smem,
+                          m_smem=m_smem, l_smem=l_smem, p_free=p_free, p_ready=p_ready)
           acc = accumulate_values(acc, j, pl.ds(0, half))
           plgpu.barrier_arrive(tile_free.at[j])
           return acc

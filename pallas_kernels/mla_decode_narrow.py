@@ -43,14 +43,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.common import F32
-from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, LOG2E, DecodeConfig, Geometry, combine,
+from pallas_kernels.mla_decode import (BLOCK_KV, DecodeConfig, Geometry, combine,
                                        num_sms, split_count)
-from pallas_kernels.mla_decode_parts import (accumulate, convert_fp8, copy_geometry, kv_producer,
-                                             masked_positions, online_softmax, program_blocks,
-                                             store_lse)
+from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, kv_producer,
+                                             kv_ring, masked_positions, online_softmax,
+                                             program_blocks, prologue, publish_weights, store_lse)
 
 MAX_ROWS = 32       # query rows (s_q x H) this path takes
-CONVERT_COLS = 64   # per_token_head: columns dequantized at a time
 SMEM_LIMIT = 227 * 1024
 # Register layout of the per_token_head fp8 -> q.dtype conversion (loaded and stored in the
 # same layout): 4 fp8 values (32 bits) in, 4 bf16 (64 bits) out per shared-memory access,
@@ -107,13 +106,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
             sm_scale, stages):
   W = R + Rr
   half = R // 2
-  bits = dtype.itemsize * 8
-  tile = (plgpu.TilingTransform((8, 1024 // bits)), plgpu.SwizzleTransform(128))
-  fp8_tile = (plgpu.TilingTransform((8, CONVERT_COLS)), plgpu.SwizzleTransform(CONVERT_COLS))
-  copies, _ = copy_geometry(page_size)
-  score_scale = sm_scale * LOG2E
-  row_vec = plgpu.Layout.WGMMA.reduce(1)    # one value per token (a row of S^T)
-  col_vec = plgpu.Layout.WGMMA.reduce(0)    # one value per query row (a column of S^T)
+  tile, fp8_tile, copies, score_scale, row_vec, col_vec = prologue(dtype, page_size, sm_scale)
 
   def body(*refs):
     if quantized:
@@ -185,16 +178,8 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
           # The raw planes are consumed (nope converted by both warpgroups before this
           # step, rope read by the score product, scales loaded).
           plgpu.barrier_arrive(free_bar.at[slot])
-
-        @pl.when(i > 0)
-        def _():
-          plgpu.barrier_wait(p_free)      # warpgroup 1 is done with the previous P, alpha
-        p_smem.transpose((1, 0))[...] = p.astype(dtype)
-        alpha_smem[...] = alpha
-        m_smem[...] = m_new
-        l_smem[...] = l_new
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(p_ready)
+        publish_weights(i, p, alpha, m_new, l_new, p_smem=p_smem, alpha_smem=alpha_smem,
+                        m_smem=m_smem, l_smem=l_smem, p_free=p_free, p_ready=p_ready)
 
       @pl.loop(0, n_steps, init_carry=acc)
       def acc(i, acc):
@@ -260,19 +245,9 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
                   interpret=interpret)
 
   per_block = 3 * copies if quantized else copies
-  if quantized:
-    smem = [
-        plgpu.SMEM((N, W), dtype, transforms=tile),
-        plgpu.SMEM((stages, BLOCK_KV, R), FP8_E4M3, transforms=fp8_tile),
-        plgpu.SMEM((stages, BLOCK_KV, Rr), dtype, transforms=tile),
-        plgpu.SMEM((stages, BLOCK_KV), F32),
-        plgpu.SMEM((BLOCK_KV, R), dtype, transforms=tile),
-    ]
-  else:
-    smem = [
-        plgpu.SMEM((N, W), dtype, transforms=tile),
-        plgpu.SMEM((stages, BLOCK_KV, W), dtype, transforms=tile),
-    ]
+  smem = [plgpu.SMEM((N, W), dtype, transforms=tile)] + kv_ring(
+      quantized=quantized, stages=stages, R=R, Rr=Rr, dtype=dtype, tile=tile,
+      fp8_tile=fp8_tile)
   smem += [
       plgpu.SMEM((N, BLOCK_KV), dtype, transforms=tile),   # P (N x 64 tokens)
       plgpu.SMEM((R, N), dtype),                           # out^T staging

@@ -6,6 +6,7 @@ Each runs inside a Mosaic GPU kernel body (traced once per program); none alloca
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,49 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import F32
-from pallas_kernels.mla_decode import BLOCK_KV, LN2, MASKED
+from pallas_kernels.mla_decode import BLOCK_KV, FP8_E4M3, LN2, LOG2E, MASKED
+
+CONVERT_COLS = 64
+"""per_token_head: fp8 columns dequantized at a time; the fp8 plane's shared-memory tiles
+(8, 64) with a 64-byte swizzle match these chunks."""
+
+
+class Prologue(NamedTuple):
+  """Static pieces every decode kernel starts from (`prologue`)."""
+
+  tile: tuple            # shared-memory transforms of bf16/f16 blocks (128-byte swizzle)
+  fp8_tile: tuple        # the same for the fp8 nope plane (`CONVERT_COLS` wide tiles)
+  copies: int            # TMA copies per KV block (`copy_geometry`)
+  score_scale: float     # sm_scale * log2(e): scores in the exp2 domain
+  row_vec: object        # register layout of one value per token (a row of S^T)
+  col_vec: object        # register layout of one value per query row (a column of S^T)
+
+
+def prologue(dtype, page_size: int, sm_scale: float) -> Prologue:
+  """The `Prologue` of a kernel over `dtype` queries/cache and pages of `page_size`."""
+  bits = jnp.dtype(dtype).itemsize * 8
+  return Prologue(
+      tile=(plgpu.TilingTransform((8, 1024 // bits)), plgpu.SwizzleTransform(128)),
+      fp8_tile=(plgpu.TilingTransform((8, CONVERT_COLS)), plgpu.SwizzleTransform(CONVERT_COLS)),
+      copies=copy_geometry(page_size)[0],
+      score_scale=sm_scale * LOG2E,
+      row_vec=plgpu.Layout.WGMMA.reduce(1),
+      col_vec=plgpu.Layout.WGMMA.reduce(0),
+  )
+
+
+def kv_ring(*, quantized: bool, stages: int, R: int, Rr: int, dtype, tile, fp8_tile) -> list:
+  """Shared-memory types of the KV ring that `kv_producer` fills: ``stages`` blocks of
+  BLOCK_KV whole rows, or for per_token_head the fp8 nope plane, the rope plane and the
+  scales of ``stages`` blocks plus one bf16/f16 tile the fp8 block is converted into."""
+  if not quantized:
+    return [plgpu.SMEM((stages, BLOCK_KV, R + Rr), dtype, transforms=tile)]
+  return [
+      plgpu.SMEM((stages, BLOCK_KV, R), FP8_E4M3, transforms=fp8_tile),
+      plgpu.SMEM((stages, BLOCK_KV, Rr), dtype, transforms=tile),
+      plgpu.SMEM((stages, BLOCK_KV), F32),
+      plgpu.SMEM((BLOCK_KV, R), dtype, transforms=tile),
+  ]
 
 
 def copy_geometry(page_size: int) -> tuple[int, int]:
@@ -161,3 +204,19 @@ def store_lse(m_smem, l_smem, staging, dst, layout) -> None:
   staging[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2, -jnp.inf)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(staging, dst)
+
+
+def publish_weights(i, p, alpha, m_new, l_new, *, p_smem, alpha_smem, m_smem, l_smem,
+                    p_free, p_ready) -> None:
+  """Warpgroup 0 hands step i's softmax to the other compute warpgroup: it waits until
+  that one has consumed step i - 1's (p_free), stores P (transposed into p_smem), alpha
+  and the running max and sum, and signals p_ready."""
+  @pl.when(i > 0)
+  def _():
+    plgpu.barrier_wait(p_free)
+  p_smem.transpose((1, 0))[...] = p.astype(p_smem.dtype)
+  alpha_smem[...] = alpha
+  m_smem[...] = m_new
+  l_smem[...] = l_new
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(p_ready)

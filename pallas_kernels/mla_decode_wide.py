@@ -35,13 +35,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.common import F32
-from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, LN2, LOG2E, DecodeConfig, Geometry,
+from pallas_kernels.mla_decode import (BLOCK_KV, LN2, DecodeConfig, Geometry,
                                        combine, num_sms, split_count)
-from pallas_kernels.mla_decode_parts import (convert_fp8, copy_geometry, kv_producer,
-                                             masked_positions, online_softmax, program_blocks)
+from pallas_kernels.mla_decode_parts import (CONVERT_COLS, convert_fp8, kv_producer, kv_ring,
+                                             masked_positions, online_softmax, program_blocks,
+                                             prologue)
 
 BLOCK_M = 64        # query rows per tile (a wgmma's M)
-CONVERT_COLS = 64   # per_token_head: columns dequantized at a time
 
 
 def takes(geo: Geometry, config: DecodeConfig) -> str | None:
@@ -72,14 +72,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
                    page_size, dtype, quantized, sm_scale, stages):
   W = R + Rr
   half = R // 2
-  bits = dtype.itemsize * 8
-  swizzle = 128
-  tile = (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
-  # 64-byte swizzle for the fp8 plane: its (8, 64) tiles match the 64-column chunks that
-  # are converted at a time.
-  fp8_tile = (plgpu.TilingTransform((8, CONVERT_COLS)), plgpu.SwizzleTransform(CONVERT_COLS))
-  copies, _ = copy_geometry(page_size)
-  score_scale = sm_scale * LOG2E
+  tile, fp8_tile, copies, score_scale, _, _ = prologue(dtype, page_size, sm_scale)
 
   def body(*refs):
     if interpret:
@@ -223,21 +216,9 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
                   interpret=interpret)
 
   per_block = 3 * copies if quantized else copies
-  if quantized:
-    smem = [
-        plgpu.SMEM((BLOCK_M, W), dtype, transforms=tile),
-        plgpu.SMEM((stages, BLOCK_KV, R), FP8_E4M3, transforms=fp8_tile),
-        plgpu.SMEM((stages, BLOCK_KV, Rr), dtype, transforms=tile),
-        plgpu.SMEM((stages, BLOCK_KV), F32),
-        plgpu.SMEM((BLOCK_KV, R), dtype, transforms=tile),
-        plgpu.SMEM((BLOCK_M,), F32),
-    ]
-  else:
-    smem = [
-        plgpu.SMEM((BLOCK_M, W), dtype, transforms=tile),
-        plgpu.SMEM((stages, BLOCK_KV, W), dtype, transforms=tile),
-        plgpu.SMEM((BLOCK_M,), F32),
-    ]
+  smem = [plgpu.SMEM((BLOCK_M, W), dtype, transforms=tile)] + kv_ring(
+      quantized=quantized, stages=stages, R=R, Rr=Rr, dtype=dtype, tile=tile,
+      fp8_tile=fp8_tile) + [plgpu.SMEM((BLOCK_M,), F32)]
   barriers = [
       plgpu.Barrier(num_arrivals=1),
       plgpu.Barrier(num_arrivals=per_block, num_barriers=stages),
