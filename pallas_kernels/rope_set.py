@@ -24,21 +24,24 @@ and the row is written with `sanitize`; q_out is never sanitized (it is not stor
 Design
 ------
 A 2-D grid: program (b, g) owns tokens [t0, t0 + B) (B = min(T, 4); t0 shifted back at
-the end as in `rows`) and heads [g*Hb, (g+1)*Hb). Every program:
+the end as in `rows`). Programs g < H / Hb own heads [g*Hb, (g+1)*Hb) of q; the last program
+of each token block (g = H / Hb) writes the tokens' cache rows, in parallel with the query
+programs (at small T the launch is as long as its slowest program, and the quantized write
+is the slowest piece). Every program bulk-loads each token's cos/sin table row (one
+256-byte copy per token, at the position read as a scalar and clamped) with its inputs on
+one barrier. A query program:
 
-1. bulk-loads, on one barrier, its tokens' q_nope and q_rope heads (one contiguous copy
-   per token each: a token's Hb heads are adjacent) and each token's cos/sin table row
-   (one 256-byte copy per token, at the position read as a scalar and clamped);
+1. bulk-loads its tokens' q_nope and q_rope heads (one contiguous copy per token each: a
+   token's Hb heads are adjacent);
 2. in registers, for each head: casts the nope part and rotates the rope part into a
    shared-memory block laid out as q_out (a token's Hb heads of R+Rr values, contiguous);
 3. stores that block with one bulk copy per token.
 
-Programs of head block 0 also write the cache rows: the tokens' k_nope and k_rope arrive on
-a second barrier (issued with the q loads), registers cast or quantize the row, and one
-bulk store per in-range slot writes it (pl.when around each: bad slots are skipped on every
-backend). So one launch rotates, assembles and writes; small T is a few programs of short
-latency, large T is bandwidth bound (q read and written once, the latent row read and
-written once).
+The cache program loads the tokens' k_nope and k_rope, casts or quantizes the rotated row
+in registers, and stores it with one bulk copy per in-range slot (pl.when around each: bad
+slots are skipped on every backend). So one launch rotates, assembles and writes; small T
+is a few programs of short latency, large T is bandwidth bound (q read and written once,
+the latent row read and written once).
 
 Sizes: H is split in blocks of Hb heads, the largest divisor of H whose shared memory keeps
 a program within `SMEM_BUDGET` (four programs per SM; Hb = 4 for bf16 R=512, Rr=64). The
@@ -271,6 +274,7 @@ def _build(interpret, *, T, H, Hb, B, rows, R, Rr, positions, in_dtypes, out_dty
   Bc = BLOCK_ROWS
   qn_dtype, qr_dtype, kn_dtype, kr_dtype = in_dtypes
   pth = storage is None
+  n_head_blocks = H // Hb
   rot = functools.partial(_rotate, Rr=Rr, is_neox=is_neox, interpret=interpret)
   nope_layout = common.strided_layout((Bc, R), qn_dtype, out_dtype)
   # k_rope's NaN / inf are replaced before the rotation (SPEC §9 on the composition's input).
@@ -282,38 +286,39 @@ def _build(interpret, *, T, H, Hb, B, rows, R, Rr, positions, in_dtypes, out_dty
         refs[:n_buf], refs[n_buf:])
     t0 = jnp.minimum(lax.axis_index("b") * B, T - B)
     g = lax.axis_index("h")
-    writes_cache = g == 0
-    for i in range(B):
-      plgpu.copy_gmem_to_smem(qn_ref.at[t0 + i, pl.ds(g * (Hb * R), Hb * R)], qn_sm.at[i],
-                              bar_q, **_PROMISE)
-      plgpu.copy_gmem_to_smem(qr_ref.at[t0 + i, pl.ds(g * (Hb * Rr), Hb * Rr)], qr_sm.at[i],
-                              bar_q, **_PROMISE)
 
-    @pl.when(writes_cache)
-    def _():
+    def load_tables(bar):
+      for i in range(B):
+        # Positions outside the table are clamped to it (as rope.apply_rope).
+        p = jnp.clip(pos_ref[t0 + i], 0, positions - 1)
+        plgpu.copy_gmem_to_smem(cs_ref.at[p], cs_sm.at[i], bar, **_PROMISE)
+      plgpu.barrier_wait(bar)
+      return _rope_tables(cs_sm, Rr=Rr, is_neox=is_neox, interpret=interpret)
+
+    @pl.when(g < n_head_blocks)
+    def _queries():
+      for i in range(B):
+        plgpu.copy_gmem_to_smem(qn_ref.at[t0 + i, pl.ds(g * (Hb * R), Hb * R)], qn_sm.at[i],
+                                bar_q, **_PROMISE)
+        plgpu.copy_gmem_to_smem(qr_ref.at[t0 + i, pl.ds(g * (Hb * Rr), Hb * Rr)],
+                                qr_sm.at[i], bar_q, **_PROMISE)
+      tables = load_tables(bar_q)
+      for h in range(Hb):
+        x = plgpu.load(qn_sm.at[:, pl.ds(h * R, R)], layout=nope_layout)
+        qo_sm.at[:, pl.ds(h * W, R)][...] = common.cast_to(x, out_dtype)
+        for offset, y in rot(qr_sm.at[:, pl.ds(h * Rr, Rr)], tables):
+          qo_sm.at[:, pl.ds(h * W + R + offset, y.shape[1])][...] = y.astype(out_dtype)
+      plgpu.commit_smem()
+      for i in range(B):
+        plgpu.copy_smem_to_gmem(qo_sm.at[i], qo_ref.at[t0 + i, pl.ds(g * (Hb * W), Hb * W)],
+                                commit_group=False)
+
+    @pl.when(g == n_head_blocks)
+    def _cache_rows():
       plgpu.copy_gmem_to_smem(kn_ref.at[pl.ds(t0, B)], kn_sm.at[pl.ds(0, B)], bar_k, **_PROMISE)
       plgpu.copy_gmem_to_smem(kr_ref.at[pl.ds(t0, B)], kr_sm.at[pl.ds(0, B)], bar_k, **_PROMISE)
-
-    for i in range(B):
-      # Positions outside the table are clamped to it (as rope.apply_rope).
-      p = jnp.clip(pos_ref[t0 + i], 0, positions - 1)
-      plgpu.copy_gmem_to_smem(cs_ref.at[p], cs_sm.at[i], bar_q, **_PROMISE)
-    plgpu.barrier_wait(bar_q)
-    tables = _rope_tables(cs_sm, Rr=Rr, is_neox=is_neox, interpret=interpret)
-    for h in range(Hb):
-      x = plgpu.load(qn_sm.at[:, pl.ds(h * R, R)], layout=nope_layout)
-      qo_sm.at[:, pl.ds(h * W, R)][...] = common.cast_to(x, out_dtype)
-      for offset, y in rot(qr_sm.at[:, pl.ds(h * Rr, Rr)], tables):
-        qo_sm.at[:, pl.ds(h * W + R + offset, y.shape[1])][...] = y.astype(out_dtype)
-    plgpu.commit_smem()
-    for i in range(B):
-      plgpu.copy_smem_to_gmem(qo_sm.at[i], qo_ref.at[t0 + i, pl.ds(g * (Hb * W), Hb * W)],
-                              commit_group=False)
-
-    @pl.when(writes_cache)
-    def _():
       rs = [loc_ref[t0 + i] for i in range(B)]
-      plgpu.barrier_wait(bar_k)
+      tables = load_tables(bar_k)
       if pth:
         _write_quantized(bufs, k_sm, kn_sm, kr_sm, rs, tables)
       else:
@@ -353,13 +358,13 @@ def _build(interpret, *, T, H, Hb, B, rows, R, Rr, positions, in_dtypes, out_dty
             plgpu.SMEM((Bc, Rr), rope_dtype), plgpu.SMEM((Bc,), F32)] if pth
            else [plgpu.SMEM((Bc, W), storage)])
   kernel = _kernel(
-      body, grid=(pl.cdiv(T, B), H // Hb), grid_names=("b", "h"), interpret=interpret,
+      body, grid=(pl.cdiv(T, B), n_head_blocks + 1), grid_names=("b", "h"), interpret=interpret,
       name="mla_rope_set_rows" + ("_per_token_head" if pth else ""),
       out_type=jax.ShapeDtypeStruct((T, H * W), out_dtype),
       scratch=[plgpu.SMEM((Bc, Hb * R), qn_dtype), plgpu.SMEM((Bc, Hb * Rr), qr_dtype),
                plgpu.SMEM((Bc, Hb * W), out_dtype), plgpu.SMEM((Bc, Rr), F32),
                plgpu.SMEM((Bc, R), kn_dtype), plgpu.SMEM((Bc, Rr), kr_dtype), *k_out,
-               plgpu.Barrier(num_arrivals=3 * B), plgpu.Barrier(num_arrivals=2)],
+               plgpu.Barrier(num_arrivals=3 * B), plgpu.Barrier(num_arrivals=2 + B)],
   )
 
   def run(loc, pos, qn, qr, kn, kr, cs, *buffers):
