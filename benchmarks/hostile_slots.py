@@ -25,6 +25,7 @@ def main() -> int:
     if decode_only:
       failures += sum(hostile_decode(cfg, rng, s_q) for s_q in (1, 2))
       continue
+    failures += sum(hostile_rope_set(cfg, rng, T) for T in (1, 3, 300))
     rows, tokens = cfg.rows, 1000
     loc = rng.integers(0, rows, tokens).astype(np.int32)     # duplicates likely
     loc[:50] = -1
@@ -77,6 +78,44 @@ def main() -> int:
     failures += bool(bad)
     failures += sum(hostile_decode(cfg, rng, s_q) for s_q in (1, 2))
   return failures
+
+
+def hostile_rope_set(cfg, rng, T: int) -> int:
+  """rope_set_mla_kv_buffer with slots outside the layer (both signs, huge) and positions
+  outside the cos/sin table: the kernel must write nothing outside the layer and equal the
+  XLA composition (cache bytes and q_out)."""
+  from jax_mla_cache import rope
+  H, table = 16, jnp.asarray(rope.rope_cos_sin_cache(512, 64))
+  loc = rng.choice(cfg.rows, T, replace=False).astype(np.int32)
+  loc[::3] = rng.choice([-1, -7, cfg.rows, cfg.rows + 10**6, 2**31 - 1], (T + 2) // 3)
+  pos = rng.integers(-100, 700, T).astype(np.int32)
+  args = [jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+          for shape in ((T, H, 512), (T, H, 64), (T, 1, 512), (T, 1, 64))]
+  out = {}
+  for impl in ("pallas", "xla"):
+    cache, q_out = mc.rope_set_mla_kv_buffer(mc.init_cache(cfg), 1, loc, pos, *args, table,
+                                             implementation=impl)
+    out[impl] = jax.device_get((cache, q_out))
+  (c_p, q_p), (c_x, q_x) = out["pallas"], out["xla"]
+  # SPEC §8 lets the float32 rotation round differently: compare with its tolerances, and
+  # require every row that no valid slot targets to stay zero.
+  leaves_p, leaves_x = jax.tree.leaves(c_p), jax.tree.leaves(c_x)
+  per_layer = len(leaves_p) // cfg.layer_num
+  close, untouched = True, True
+  for i, (a, b) in enumerate(zip(leaves_p, leaves_x)):
+    targeted = np.zeros(cfg.rows, bool)
+    if i // per_layer == 1:
+      targeted[loc[(loc >= 0) & (loc < cfg.rows)]] = True
+    a = np.asarray(a).astype(np.float32).reshape(cfg.rows, -1)
+    b = np.asarray(b).astype(np.float32).reshape(cfg.rows, -1)
+    close &= bool(np.allclose(a, b, rtol=2 ** -7, atol=1e-2))
+    untouched &= not a[~targeted].any()
+  q_err = float(np.abs(np.asarray(q_p, np.float32) - np.asarray(q_x, np.float32)).max())
+  ok = close and untouched and q_err <= 0.0625
+  print(f"{cfg.quant_method}: hostile rope_set T={T} {'ok' if ok else 'MISMATCH'} "
+        f"(cache close: {close}, other rows zero: {untouched}, q_out max abs diff "
+        f"{q_err:.3g})", flush=True)
+  return int(not ok)
 
 
 def hostile_decode(cfg, rng, s_q: int) -> int:
