@@ -278,6 +278,18 @@ def _block_start(B: int, T: int):
 _PROMISE = dict(oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
 
 
+def _load_tokens(loc_ref, blocks, bar, *, B: int, T: int, pdl: bool, interpret: bool):
+  """The register write kernels' start: bulk-load the program's B input rows of every
+  (gmem input, smem block) pair on `bar`, read their slots, wait. Returns the slots."""
+  _pdl_prologue(pdl, interpret)
+  t0 = _block_start(B, T)
+  for src, dst in blocks:
+    plgpu.copy_gmem_to_smem(src.at[pl.ds(t0, B)], dst.at[pl.ds(0, B)], bar, **_PROMISE)
+  rs = [loc_ref[t0 + i] for i in range(B)]
+  plgpu.barrier_wait(bar)
+  return rs
+
+
 def _barriers(num_arrivals: int, stages: int):
   """One barrier (stages == 1, the original kernels) or one per stage."""
   if stages == 1:
@@ -405,12 +417,8 @@ def _set_rows_regs(interpret, *, T, rows, R, Rr, dtype, in_dtypes, B, pdl, tag="
   lr = common.strided_layout((Bc, Rr), in_dtypes[1], dtype)
 
   def body(loc_ref, n_ref, r_ref, kv_ref, nsm, rsm, osm, bar):
-    _pdl_prologue(pdl, interpret)
-    t0 = _block_start(B, T)
-    plgpu.copy_gmem_to_smem(n_ref.at[pl.ds(t0, B)], nsm.at[pl.ds(0, B)], bar, **_PROMISE)
-    plgpu.copy_gmem_to_smem(r_ref.at[pl.ds(t0, B)], rsm.at[pl.ds(0, B)], bar, **_PROMISE)
-    rs = [loc_ref[t0 + i] for i in range(B)]
-    plgpu.barrier_wait(bar)
+    rs = _load_tokens(loc_ref, [(n_ref, nsm), (r_ref, rsm)], bar, B=B, T=T, pdl=pdl,
+                      interpret=interpret)
     osm.at[:, pl.ds(0, R)][...] = common.cast_to(plgpu.load(nsm, layout=ln), dtype, sanitize)
     osm.at[:, pl.ds(R, Rr)][...] = common.cast_to(plgpu.load(rsm, layout=lr), dtype, sanitize)
     plgpu.commit_smem()
@@ -533,12 +541,8 @@ def _set_pth(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, B, pdl, tag=""
   lr = common.row_layout(Rr, in_dtypes[1], rope_dtype)
 
   def body(loc_ref, n_ref, r_ref, qb_ref, sb_ref, rb_ref, nsm, rsm, qsm, rosm, ssm, bar):
-    _pdl_prologue(pdl, interpret)
-    t0 = _block_start(B, T)
-    plgpu.copy_gmem_to_smem(n_ref.at[pl.ds(t0, B)], nsm.at[pl.ds(0, B)], bar, **_PROMISE)
-    plgpu.copy_gmem_to_smem(r_ref.at[pl.ds(t0, B)], rsm.at[pl.ds(0, B)], bar, **_PROMISE)
-    rs = [loc_ref[t0 + i] for i in range(B)]
-    plgpu.barrier_wait(bar)
+    rs = _load_tokens(loc_ref, [(n_ref, nsm), (r_ref, rsm)], bar, B=B, T=T, pdl=pdl,
+                      interpret=interpret)
     qsm[...], rosm[...], ssm[...] = quantize_block(
         plgpu.load(nsm, layout=ln).astype(F32), plgpu.load(rsm, layout=lr).astype(F32),
         ln=ln, lr=lr, rope_dtype=rope_dtype, interpret=interpret, sanitize_limits=limits,
