@@ -62,9 +62,10 @@ if want rope_bench; then   # the fused RoPE write's benchmark rows alone (pallas
     --out "$OUT/h200_rope.json" 2>&1 | tee "$OUT/bench_rope.log"
 fi
 if want sanitize; then
-  timeout ${SANITIZE_TIMEOUT:-90} compute-sanitizer --tool memcheck python3 benchmarks/hostile_slots.py \
-    ${SANITIZE_ARGS:-} 2>&1 \
-    | grep -v "Host Frame" > "$OUT/memcheck.log"; tail -6 "$OUT/memcheck.log"
+  # Line-buffered all the way, so a run cut by its timeout still leaves what it printed.
+  timeout ${SANITIZE_TIMEOUT:-90} compute-sanitizer --tool memcheck python3 -u \
+    benchmarks/hostile_slots.py ${SANITIZE_ARGS:-} 2>&1 \
+    | grep --line-buffered -v "Host Frame" > "$OUT/memcheck.log"; tail -8 "$OUT/memcheck.log"
 fi
 if want diag; then
   timeout 100 python3 benchmarks/diag_gpu.py 2>&1 | tee "$OUT/diag.log"
