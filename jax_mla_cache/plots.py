@@ -133,7 +133,10 @@ def plot_results(results: dict[str, Any], path: str | None = None) -> Figure:
     ax.set_title(OP_TITLES.get(op, op), fontsize=10)
     ax.set_ylim(bottom=0)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    if len(ax.get_legend_handles_labels()[1]) > 8:  # many query shapes: beside the axes
+      ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+      ax.legend(fontsize=8)
   for ax in axes[len(ops) or 1:]:
     ax.set_visible(False)
   fig.suptitle(
