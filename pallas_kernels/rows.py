@@ -663,16 +663,18 @@ def _block_slots(loc_ref, t0, B: int, prefetch: bool):
   return lambda i: loc_ref[t0 + i]
 
 
-
-def _load_block(loc_ref, t0, B: int, prefetch: bool, load) -> list:
-  """Issue the loads of a block's tokens: load(i, r) for token i at slot r (slots read as
-  `_block_slots` says). Returns the slots."""
+def _load_block(loc_ref, load, *, B: int, T: int, prefetch: bool, pdl: bool,
+                interpret: bool):
+  """The gather kernels' start: the PDL prologue, then load(i, r) for each token i of the
+  program's block at its slot r (slots read as `_block_slots` says). Returns (t0, slots)."""
+  _pdl_prologue(pdl, interpret)
+  t0 = _block_start(B, T)
   slot = _block_slots(loc_ref, t0, B, prefetch)
   rs = []
   for i in range(B):
     rs.append(slot(i))
     load(i, rs[-1])
-  return rs
+  return t0, rs
 
 
 def _store_block(blocks, t0, B: int) -> None:
@@ -684,20 +686,19 @@ def _store_block(blocks, t0, B: int) -> None:
   plgpu.commit_smem_to_gmem_group()
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+
 def _get_rows_copy(interpret, *, T, rows, R, Rr, dtype, B, pdl, stages=1, prefetch=False,
                    tag=""):
   n = B // stages  # tokens per stage
 
   def body(kv_ref, loc_ref, on_ref, or_ref, nsm, rsm, bar):
-    _pdl_prologue(pdl, interpret)
-    t0 = _block_start(B, T)
-
     def load(i, r):
       b = _bar(bar, i // n, stages)
       _load_row(lambda r: kv_ref.at[r, pl.ds(0, R)], nsm.at[i], b, r, rows)
       _load_row(lambda r: kv_ref.at[r, pl.ds(R, Rr)], rsm.at[i], b, r, rows)
 
-    rs = _load_block(loc_ref, t0, B, prefetch, load)
+    t0, rs = _load_block(loc_ref, load, B=B, T=T, prefetch=prefetch, pdl=pdl,
+                         interpret=interpret)
     for c in range(stages):
       s0 = c * n
       plgpu.barrier_wait(_bar(bar, c, stages))
@@ -726,10 +727,9 @@ def _get_rows_regs(interpret, *, T, rows, R, Rr, dtype, dst, B, pdl, prefetch=Fa
   lr = common.strided_layout((Bc, Rr), dtype, dst)
 
   def body(kv_ref, loc_ref, on_ref, or_ref, csm, nsm, rsm, bar):
-    _pdl_prologue(pdl, interpret)
-    t0 = _block_start(B, T)
-    rs = _load_block(loc_ref, t0, B, prefetch,
-                     lambda i, r: _load_row(lambda r: kv_ref.at[r], csm.at[i], bar, r, rows))
+    t0, rs = _load_block(
+        loc_ref, lambda i, r: _load_row(lambda r: kv_ref.at[r], csm.at[i], bar, r, rows),
+        B=B, T=T, prefetch=prefetch, pdl=pdl, interpret=interpret)
     plgpu.barrier_wait(bar)
     _zero_bad_rows(rs, rows, (csm,))
     plgpu.commit_smem()
@@ -796,14 +796,12 @@ def _get_pth(interpret, *, T, rows, R, Rr, rope_dtype, dst, B, pdl, prefetch=Fal
   lr = common.row_layout(Rr, rope_dtype, dst)
 
   def body(qb_ref, sb_ref, rb_ref, loc_ref, on_ref, or_ref, qsm, rsm, ssm, nsm, orsm, bar):
-    _pdl_prologue(pdl, interpret)
-    t0 = _block_start(B, T)
-
     def load(i, r):
       _load_row(lambda r: qb_ref.at[r], qsm.at[i], bar, r, rows)
       _load_row(lambda r: rb_ref.at[r], rsm.at[i], bar, r, rows)
 
-    rs = _load_block(loc_ref, t0, B, prefetch, load)
+    t0, rs = _load_block(loc_ref, load, B=B, T=T, prefetch=prefetch, pdl=pdl,
+                         interpret=interpret)
     for i, r in enumerate(rs):
       ok = common.valid_row(r, rows)
       s = sb_ref[jnp.where(ok, r, 0)]  # always an in-bounds read
