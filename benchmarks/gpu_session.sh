@@ -63,6 +63,8 @@ if want rope_bench; then   # the fused RoPE write's benchmark rows alone (pallas
 fi
 if want sanitize; then
   # Line-buffered all the way, so a run cut by its timeout still leaves what it printed.
+  # No autotuning: under memcheck each XLA gemm candidate is slow to run.
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
   timeout ${SANITIZE_TIMEOUT:-90} compute-sanitizer --tool memcheck python3 -u \
     benchmarks/hostile_slots.py ${SANITIZE_ARGS:-} 2>&1 \
     | grep --line-buffered -v "Host Frame" > "$OUT/memcheck.log"; tail -8 "$OUT/memcheck.log"

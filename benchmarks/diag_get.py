@@ -1,0 +1,104 @@
+"""Where a small gather's time goes (one device call): the get kernels as in this commit
+(zero the rows of bad slots and fence only when a block has a bad slot), with the fence
+always (the previous code) and with no zeroing at all (a lower bound, wrong for bad slots),
+next to two floor kernels: one program that only TMA-stores a row, and one that TMA-loads a
+row and stores it (the least a one-row gather does on Mosaic GPU with bulk copies).
+
+    PYTHONPATH=$PWD python3 benchmarks/diag_get.py [--tokens 1,64,512,4096] [--iters 20]
+"""
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import jax_mla_cache as mc
+from jax_mla_cache import bench
+from pallas_kernels import common, rows
+
+SHIPPED = rows._zero_bad_rows
+
+
+def _fence_always(slots, nrows, blocks, first=0, fence=True):
+  """The previous code: zero the bad rows, then always fence."""
+  for i, r in enumerate(slots):
+    @pl.when(common.invalid_row(r, nrows))
+    def _():
+      for block in blocks:
+        rows._store_zeros(block.at[first + i])
+  if fence:
+    plgpu.commit_smem()
+
+
+def _no_zeroing(slots, nrows, blocks, first=0, fence=True):
+  del slots, nrows, blocks, first, fence
+
+
+VARIANTS = {"shipped": SHIPPED, "fence_always": _fence_always, "no_zeroing": _no_zeroing}
+
+
+def floor_kernels(W: int = 576):
+  """(name, jitted fn, arg): a store-only and a load+store one-program kernel."""
+  def store_only(o_ref, sm):
+    sm[...] = jnp.zeros(sm.shape, sm.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(sm, o_ref)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  def load_store(x_ref, o_ref, sm, bar):
+    for j in range(W // 64):
+      plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(j * 64, 64)], sm.at[pl.ds(j * 64, 64)], bar)
+    plgpu.barrier_wait(bar)
+    plgpu.copy_smem_to_gmem(sm, o_ref)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  out = jax.ShapeDtypeStruct((W,), jnp.bfloat16)
+  k1 = plgpu.kernel(store_only, out_type=jax.ShapeDtypeStruct((512,), jnp.bfloat16),
+                    scratch_types=[plgpu.SMEM((512,), jnp.bfloat16)],
+                    grid=(1,), grid_names=("b",), kernel_name="floor_store_only")
+  k2 = plgpu.kernel(load_store, out_type=out,
+                    scratch_types=[plgpu.SMEM((W,), jnp.bfloat16),
+                                   plgpu.Barrier(num_arrivals=W // 64)],
+                    grid=(1,), grid_names=("b",), kernel_name="floor_load_store")
+  x = jnp.ones((W,), jnp.bfloat16)
+  return [("floor_store_only", jax.jit(lambda x: k1()), x),
+          ("floor_load_store", jax.jit(k2), x)]
+
+
+def main() -> None:
+  p = argparse.ArgumentParser()
+  p.add_argument("--tokens", default="1,64,512,4096")
+  p.add_argument("--iters", type=int, default=20)
+  a = p.parse_args()
+  for name, f, x in floor_kernels() if jax.devices()[0].platform == "gpu" else ():
+    bd = {}
+    bench.time_per_call(lambda s, f=f: (f(s[0]),), (x,), a.iters, bd)
+    print(f"{name:18s} {bd}", flush=True)
+  rng = np.random.default_rng(0)
+  for cfg, op in ((mc.DEEPSEEK_V3.replace(layer_num=1), "get"),
+                  (mc.DEEPSEEK_V3_FP8.replace(layer_num=1), "get_pth")):
+    for T in (int(t) for t in a.tokens.split(",")):
+      loc = jnp.asarray(rng.permutation(cfg.rows)[:T].astype(np.int32))
+      line = []
+      for vname, fn in VARIANTS.items():
+        rows._zero_bad_rows = fn
+        common._cached_kernel_fn.cache_clear()
+        jax.clear_caches()
+        f = jax.jit(lambda c, l: mc.get_mla_kv_buffer(c, 0, l, jnp.bfloat16,
+                                                      implementation="pallas"))
+        cache = mc.init_cache(cfg)
+        bd = {}
+        bench.time_per_call(lambda s: (s[0], s[1], f(s[0], s[1])), (cache, loc, None),
+                            a.iters, bd)
+        kern = {k: round(v, 3) for k, v in bd.items()}
+        line.append(f"{vname} {sum(bd.values()):.3f} {kern}")
+      rows._zero_bad_rows = SHIPPED
+      print(f"{op:8s} T={T:<5d} " + " | ".join(line), flush=True)
+
+
+if __name__ == "__main__":
+  main()
