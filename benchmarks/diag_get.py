@@ -1,10 +1,17 @@
-"""Where a small gather's time goes (one device call): the get kernels as in this commit
-(zero the rows of bad slots and fence only when a block has a bad slot), with the fence
-always (the previous code) and with no zeroing at all (a lower bound, wrong for bad slots),
-next to two floor kernels: one program that only TMA-stores a row, and one that TMA-loads a
-row and stores it (the least a one-row gather does on Mosaic GPU with bulk copies).
+"""Where a small gather's time goes (one device call): the get kernels as shipped (zero the
+rows of bad slots, then fence), with the fence only when a block has a bad slot (a uniform
+branch; the callers' own fence is then still there, so on this code that variant measures
+an extra branch: the measured experiment is commit "Experiment: get kernels fence only..."),
+and with no zeroing at all (a lower bound, wrong for bad slots), next to two floor kernels:
+one program that only TMA-stores a row, and one that TMA-loads a row and stores it (the least
+a one-row gather does on Mosaic GPU with bulk copies).
 
     PYTHONPATH=$PWD python3 benchmarks/diag_get.py [--tokens 1,64,512,4096] [--iters 20]
+
+H200 (logs/2026-12-04_diag_get_fence_if_bad.log, on the experiment's code): floors 0.75 us
+(store only) and 1.10 us (load + store); the one-token get 1.09 us, at the bulk-copy floor;
+the seed's Triton get (0.91 us) uses plain loads and stores. Fencing only when a slot is bad
+changed T <= 512 by -0.01..-0.05 us and T = 4096 by +0.2 us: not kept.
 """
 
 import argparse
@@ -23,22 +30,26 @@ from pallas_kernels import common, rows
 SHIPPED = rows._zero_bad_rows
 
 
-def _fence_always(slots, nrows, blocks, first=0, fence=True):
-  """The previous code: zero the bad rows, then always fence."""
-  for i, r in enumerate(slots):
-    @pl.when(common.invalid_row(r, nrows))
-    def _():
-      for block in blocks:
-        rows._store_zeros(block.at[first + i])
-  if fence:
-    plgpu.commit_smem()
+def _fence_if_bad(slots, nrows, blocks, first=0, fence=True):
+  """Zero the bad rows and fence, inside one branch taken only when a slot is bad."""
+  bad = [common.invalid_row(r, nrows) for r in slots]
+
+  @pl.when(functools.reduce(jnp.logical_or, bad))
+  def _():
+    for i, b in enumerate(bad):
+      @pl.when(b)
+      def _():
+        for block in blocks:
+          rows._store_zeros(block.at[first + i])
+    if fence:
+      plgpu.commit_smem()
 
 
 def _no_zeroing(slots, nrows, blocks, first=0, fence=True):
   del slots, nrows, blocks, first, fence
 
 
-VARIANTS = {"shipped": SHIPPED, "fence_always": _fence_always, "no_zeroing": _no_zeroing}
+VARIANTS = {"shipped": SHIPPED, "fence_if_bad": _fence_if_bad, "no_zeroing": _no_zeroing}
 
 
 def floor_kernels(W: int = 576):

@@ -628,21 +628,16 @@ def _load_row(src, dst, bar, r, rows):
                           **_PROMISE)
 
 
-def _zero_bad_rows(slots, rows: int, blocks, first: int = 0, fence: bool = True) -> None:
+def _zero_bad_rows(slots, rows: int, blocks, first: int = 0) -> None:
   """Once the loads have landed: row first + i of every shared-memory block becomes zeros
-  where slots[i] is out of range (thread stores). With `fence`, then commit_smem, only when
-  some slot of the block is bad (uniform branch)."""
-  bad = [common.invalid_row(r, rows) for r in slots]
-
-  @pl.when(functools.reduce(jnp.logical_or, bad))
-  def _():
-    for i, b in enumerate(bad):
-      @pl.when(b)
-      def _():
-        for block in blocks:
-          _store_zeros(block.at[first + i])
-    if fence:
-      plgpu.commit_smem()
+  where slots[i] is out of range (thread stores; the caller's `commit_smem` orders them
+  before the bulk stores or register loads that read the blocks). Out-of-range reads give
+  zeros this way without a zero row in global memory (an XLA broadcast kernel per call)."""
+  for i, r in enumerate(slots):
+    @pl.when(common.invalid_row(r, rows))
+    def _():
+      for block in blocks:
+        _store_zeros(block.at[first + i])
 
 
 def _store_zeros(row) -> None:
@@ -708,6 +703,7 @@ def _get_rows_copy(interpret, *, T, rows, R, Rr, dtype, B, pdl, stages=1, prefet
       s0 = c * n
       plgpu.barrier_wait(_bar(bar, c, stages))
       _zero_bad_rows(rs[s0:s0 + n], rows, (nsm, rsm), first=s0)
+      plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(_stage(nsm, s0, n, stages), on_ref.at[pl.ds(t0 + s0, n)],
                               commit_group=False)
       plgpu.copy_smem_to_gmem(_stage(rsm, s0, n, stages), or_ref.at[pl.ds(t0 + s0, n)],
@@ -736,6 +732,7 @@ def _get_rows_regs(interpret, *, T, rows, R, Rr, dtype, dst, B, pdl, prefetch=Fa
         B=B, T=T, prefetch=prefetch, pdl=pdl, interpret=interpret)
     plgpu.barrier_wait(bar)
     _zero_bad_rows(rs, rows, (csm,))
+    plgpu.commit_smem()
     nsm[...] = common.cast_to(plgpu.load(csm.at[:, pl.ds(0, R)], layout=ln), dst)
     rsm[...] = common.cast_to(plgpu.load(csm.at[:, pl.ds(R, Rr)], layout=lr), dst)
     _store_block([(nsm, on_ref), (rsm, or_ref)], t0, B)
@@ -812,7 +809,7 @@ def _get_pth(interpret, *, T, rows, R, Rr, rope_dtype, dst, B, pdl, prefetch=Fal
     for i in range(B, Bc):
       ssm[i] = jnp.float32(0)
     plgpu.barrier_wait(bar)
-    _zero_bad_rows(rs, rows, (qsm, rsm), fence=False)
+    _zero_bad_rows(rs, rows, (qsm, rsm))
     plgpu.commit_smem()  # warpgroup barrier: every thread's ssm and zero stores are visible
     scale = plgpu.load(ssm, layout=ln.reduce(1))
     x = common.multiply(plgpu.load(qsm, layout=ln).astype(F32), scale, interpret)
