@@ -50,9 +50,15 @@ row is contiguous in every buffer:
     clipped fp8 ``q`` and the divided rope; one store per token for each of q and rope, and
     the 4-byte scale (too small for a bulk copy) is a scalar global store.
 * get: mirrors set. Each token's row(s) arrive with bulk loads on one barrier (from the
-  cache row, or from a constant zero row when the slot is out of range, so the barrier
-  always sees the same number of arrivals); registers convert when needed; then one bulk
-  store per output block (contiguous in the outputs).
+  cache row, or from row 0 when the slot is out of range, zeroed in shared memory once
+  landed, so the barrier always sees the same number of arrivals); registers convert when
+  needed; then one bulk store per output block (contiguous in the outputs).
+* get, same dtype, rows whose nope and rope bytes split evenly over 128 threads (bf16 and
+  f32 512 + 64; `direct_layouts`): no bulk copies at all. Each thread loads its bytes of
+  the row with plain vector loads into registers and stores them to the outputs
+  (`_get_rows_direct`, B = 1 to 4 tokens per program): no barrier, no shared memory, no
+  fence. A one-program bulk load + store kernel takes 1.10 us on the H200, this gather
+  1.01 us at T = 1, and it is faster up to T = 4096 as well (benchmarks/diag_direct.py).
 
 Block size (`RowConfig`, `copy_block_tokens`, `reg_block_tokens`): B = ceil(T /
 target_programs) clamped to [1, max_block_tokens] (32; 12 for kernels that go through
@@ -122,6 +128,10 @@ class RowConfig:
     reg_fill: register kernels round B (when above 4) up to the rows their shared-memory
       block has anyway (`common.reg_block_rows`, 4 mod 8), within max_reg_block_tokens and
       T, so no registers work on padding rows. False keeps B as computed.
+    direct_block_tokens: same-dtype get_rows moves rows with plain vector loads and stores
+      through registers (no shared memory, barrier or bulk copy), this many tokens per
+      program; 0 = bulk copies (`get_split`). Taken only where the row parts split evenly
+      over a warpgroup's 128 threads as bytes (bf16 and f32 rows of DeepSeek's 512 + 64).
     kernel_tag: appended to the kernel names (e.g. to tell variants apart in a profile).
   """
 
@@ -133,6 +143,7 @@ class RowConfig:
   loc_prefetch: bool = True
   chunks: int = 1
   reg_fill: bool = True
+  direct_block_tokens: int = 0
   kernel_tag: str = ""
 
 
@@ -147,8 +158,17 @@ LEGACY_CONFIG = RowConfig(max_reg_block_tokens=28, target_programs=132, loc_pref
 TUNED_CONFIGS = {
     "set": ((64, DEFAULT_CONFIG), (512, LEGACY_CONFIG),
             (None, dataclasses.replace(DEFAULT_CONFIG, chunks=2))),
-    "get": ((64, DEFAULT_CONFIG), (512, dataclasses.replace(DEFAULT_CONFIG, target_programs=264)),
-            (4096, DEFAULT_CONFIG), (None, dataclasses.replace(DEFAULT_CONFIG, max_block_tokens=16))),
+    # get: plain loads and stores (direct_block_tokens) where the row allows them, measured
+    # by benchmarks/diag_direct.py (2026-12-04, logs/2026-12-04_diag_direct.log): B = 1 up
+    # to T = 64, 2 at T = 512, 4 at T = 2048 ... 32768 (T = 1024 interpolated). The bulk-copy
+    # knobs stay for rows without such a split (fp8 storage: 64 rope bytes).
+    "get": ((64, dataclasses.replace(DEFAULT_CONFIG, direct_block_tokens=1)),
+            (512, dataclasses.replace(DEFAULT_CONFIG, target_programs=264,
+                                      direct_block_tokens=2)),
+            (1024, dataclasses.replace(DEFAULT_CONFIG, direct_block_tokens=2)),
+            (4096, dataclasses.replace(DEFAULT_CONFIG, direct_block_tokens=4)),
+            (None, dataclasses.replace(DEFAULT_CONFIG, max_block_tokens=16,
+                                       direct_block_tokens=4))),
     "set_per_token_head": ((64, DEFAULT_CONFIG), (512, LEGACY_CONFIG),
                            (None, dataclasses.replace(DEFAULT_CONFIG, max_reg_block_tokens=4))),
     "get_per_token_head": ((None, DEFAULT_CONFIG),),
@@ -595,6 +615,16 @@ def get_rows(kv, loc, *, kv_lora_rank: int, dst_dtype, pdl: bool = False,
                           ("nope", R, dst), ("rope", Rr, dst)):
     _check_bulk(name, width, dt)
   same = dst == dtype and dtype != jnp.dtype(jnp.float8_e5m2)
+  direct = direct_layouts(R, Rr, dtype) if same and config.direct_block_tokens else None
+  if direct is not None:
+    B = min(config.direct_block_tokens, T)
+    build = functools.partial(
+        _get_rows_direct, T=T, rows=rows, layouts=direct, B=B, pdl=pdl,
+        tag=config.kernel_tag,
+    )
+    nope, rope = common.dispatch(build, as_bytes(kv.reshape(rows, W)),
+                                 exact.index_to_int32(loc))
+    return from_bytes(nope, dtype).reshape(T, 1, R), from_bytes(rope, dtype).reshape(T, 1, Rr)
   registers = not (same and config.get_split)
   # No register layout for this width: gather the stored rows with the pure-copy kernel,
   # then convert them with XLA.
@@ -618,6 +648,70 @@ def get_rows(kv, loc, *, kv_lora_rank: int, dst_dtype, pdl: bool = False,
   if convert_after:
     return common.cast_to(nope, dst), common.cast_to(rope, dst)
   return nope, rope
+
+
+def as_bytes(x: jax.Array) -> jax.Array:
+  """(..., n) of any dtype -> (..., n * itemsize) uint8, the same bytes (an XLA bitcast)."""
+  return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(*x.shape[:-1], -1)
+
+
+def from_bytes(x: jax.Array, dtype) -> jax.Array:
+  """The inverse of `as_bytes`: (..., m) uint8 -> (..., m / itemsize) of dtype."""
+  n = jnp.dtype(dtype).itemsize
+  if n == 1:
+    return jax.lax.bitcast_convert_type(x, dtype)
+  return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], -1, n), dtype)
+
+
+def direct_layouts(R: int, Rr: int, dtype):
+  """Register layouts of a row's nope and rope bytes split over a warpgroup (each thread
+  loads vec bytes per access, up to 16), or None where a part does not split evenly over
+  128 threads (e.g. the 64 rope bytes of an fp8 row)."""
+  out = []
+  for nbytes in (R * jnp.dtype(dtype).itemsize, Rr * jnp.dtype(dtype).itemsize):
+    vec = next((v for v in (16, 8, 4, 2, 1) if nbytes % (128 * v) == 0), None)
+    if vec is None:
+      return None
+    out.append((nbytes, vec))
+  return tuple(out)
+
+
+def _get_rows_direct(interpret, *, T, rows, layouts, B, pdl, tag=""):
+  """Gather without bulk copies: each token's nope and rope bytes are one strided register
+  load each from the cache and one store each to the outputs. A bad slot loads row 0 and
+  stores zeros instead. All of a block's loads are issued before its first store."""
+  (NB, vn), (RB, vr) = layouts
+  ln = plgpu.Layout.WG_STRIDED((NB,), vec_size=vn)
+  lr = plgpu.Layout.WG_STRIDED((RB,), vec_size=vr)
+
+  def body(kv_ref, loc_ref, on_ref, or_ref):
+    _pdl_prologue(pdl, interpret)
+    t0 = _block_start(B, T)
+    got = []
+    for i in range(B):
+      r = loc_ref[t0 + i]
+      ok = common.valid_row(r, rows)
+      r = jnp.where(ok, r, 0)
+      got.append((ok, plgpu.load(kv_ref.at[r, pl.ds(0, NB)], layout=ln),
+                  plgpu.load(kv_ref.at[r, pl.ds(NB, RB)], layout=lr)))
+    for i, (ok, n, p) in enumerate(got):
+      @pl.when(ok)
+      def _():
+        on_ref.at[t0 + i][...] = n
+        or_ref.at[t0 + i][...] = p
+
+      @pl.when(jnp.logical_not(ok))
+      def _():
+        on_ref.at[t0 + i][...] = jnp.zeros((NB,), jnp.uint8)
+        or_ref.at[t0 + i][...] = jnp.zeros((RB,), jnp.uint8)
+
+  return plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((T, NB), jnp.uint8),
+                jax.ShapeDtypeStruct((T, RB), jnp.uint8)),
+      grid=(pl.cdiv(T, B),), grid_names=("b",), kernel_name="mla_get_rows_direct" + tag,
+      interpret=common.interpret_params() if interpret else None,
+  )
 
 
 def _load_row(src, dst, bar, r, rows):

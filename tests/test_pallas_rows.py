@@ -268,6 +268,33 @@ def test_get_rows_whole_row_variant(rng):
   assert_same(rope, want[..., R:])
 
 
+@pytest.mark.parametrize("storage,B,T", [
+    (jnp.bfloat16, 1, 3), (jnp.bfloat16, 2, 5), (jnp.bfloat16, 4, 11), (jnp.float32, 2, 7),
+])
+def test_get_rows_direct(rng, storage, B, T):
+  """Plain loads and stores (no bulk copies): hostile slots (bad ones read as zeros;
+  64-bit ones: test_hostile_inputs through the public op, which takes this path), duplicates,
+  ragged last block, row bytes bit-exact (NaN payloads too)."""
+  R, Rr = 512, 64
+  cfg = pk.RowConfig(direct_block_tokens=B)
+  kv = cache(rng, ROWS, R + Rr, storage)
+  loc = hostile_loc(rng, T, ROWS, unique=False)
+  f = jax.jit(functools.partial(pk.get_rows, kv_lora_rank=R, dst_dtype=storage, config=cfg))
+  nope, rope = f(jnp.asarray(kv), jnp.asarray(loc))
+  want = np_gather(kv, loc)
+  assert_same(nope, want[..., :R])
+  assert_same(rope, want[..., R:])
+
+
+def test_direct_layouts():
+  """Which rows the direct gather takes: nope / rope bytes over 128 threads, <= 16 each."""
+  layouts = rows_mod.direct_layouts
+  assert layouts(512, 64, jnp.bfloat16) == ((1024, 8), (128, 1))
+  assert layouts(512, 64, jnp.float32) == ((2048, 16), (256, 2))
+  assert layouts(512, 64, jnp.float8_e4m3fn) is None  # 64 rope bytes
+  assert layouts(256, 32, jnp.bfloat16) is None
+
+
 @np.errstate(over="ignore")
 def pth_inputs(rng, T, R, Rr, in_dtype):
   nope = values(rng, (T, 1, R), F32, scale=3.0, specials=False)
@@ -443,6 +470,9 @@ def test_lower_cuda_get_rows(T, storage, dst, cfg):
   text = lower_cuda(f, S((BIG_ROWS, 1, R + Rr), storage), S((T,), jnp.int32))
   assert "mosaic_gpu" in text
   assert kernel_operand_counts(text) == [2]  # the buffer and the slots
+  # The tuned default moves same-dtype bf16 rows without bulk copies (diag_direct.py).
+  direct = cfg is None and storage == dst == jnp.bfloat16
+  assert ("mla_get_rows_direct" in text) == direct
 
 
 @pytest.mark.parametrize("R,Rr,model,in_dtype,T", [
