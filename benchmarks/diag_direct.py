@@ -1,6 +1,10 @@
 """Small-T row kernels without bulk copies (one device call): the bf16 get and set moving
 each row with plain vector loads and stores from registers (no shared memory, no barrier,
 no TMA), B tokens per program, against the shipped kernels -- results compared, then timed.
+The get is the library's (`RowConfig.direct_block_tokens`, since 2026-12-04 the default for
+bf16 rows; the 2026-12-04 log was taken with this script's own copy of that kernel, with an
+identical jaxpr); the set stays here as the measured alternative (not faster than the
+bulk-copy set).
 
 The 576-element bf16 row is handled as bytes (1152 = 1024 nope + 128 rope): 1024 bytes are
 128 threads x 8, the 128 rope bytes 128 x 1 (a 64-element rope has no layout over a
@@ -20,59 +24,24 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import jax_mla_cache as mc
 from jax_mla_cache import bench
-from pallas_kernels import common
-
-U8 = jnp.uint8
-
-
-def _layouts(NB: int, RB: int):
-  return (plgpu.Layout.WG_STRIDED((NB,), vec_size=8), plgpu.Layout.WG_STRIDED((RB,), vec_size=1))
+from pallas_kernels import common, rows
+from pallas_kernels.rows import as_bytes, from_bytes
 
 
-def _start(B: int, T: int):
-  return jnp.minimum(jax.lax.axis_index("b") * B, T - B)
-
-
-def direct_get_kernel(interpret, *, T, rows, NB, RB, B):
-  ln, lr = _layouts(NB, RB)
-
-  def body(kv_ref, loc_ref, on_ref, or_ref):
-    t0 = _start(B, T)
-    got = []
-    for i in range(B):
-      r = loc_ref[t0 + i]
-      ok = common.valid_row(r, rows)
-      rr = jnp.where(ok, r, 0)
-      got.append((ok, plgpu.load(kv_ref.at[rr, pl.ds(0, NB)], layout=ln),
-                  plgpu.load(kv_ref.at[rr, pl.ds(NB, RB)], layout=lr)))
-    for i, (ok, n, p) in enumerate(got):
-      @pl.when(ok)
-      def _():
-        on_ref.at[t0 + i][...] = n
-        or_ref.at[t0 + i][...] = p
-
-      @pl.when(jnp.logical_not(ok))
-      def _():
-        on_ref.at[t0 + i][...] = jnp.zeros((NB,), U8)
-        or_ref.at[t0 + i][...] = jnp.zeros((RB,), U8)
-
-  return plgpu.kernel(
-      body, out_type=(jax.ShapeDtypeStruct((T, NB), U8), jax.ShapeDtypeStruct((T, RB), U8)),
-      grid=(pl.cdiv(T, B),), grid_names=("b",), kernel_name="direct_get",
-      interpret=common.interpret_params() if interpret else None)
-
-
-def direct_set_kernel(interpret, *, T, rows, NB, RB, B):
-  ln, lr = _layouts(NB, RB)
+def direct_set_kernel(interpret, *, T, nrows, NB, RB, B):
+  """The set counterpart of the library's direct gather (same layouts, same blocks)."""
+  (_, vn), (_, vr) = rows.direct_layouts(NB // 2, RB // 2, jnp.bfloat16)
+  ln = plgpu.Layout.WG_STRIDED((NB,), vec_size=vn)
+  lr = plgpu.Layout.WG_STRIDED((RB,), vec_size=vr)
 
   def body(loc_ref, n_ref, r_ref, kv_ref):
-    t0 = _start(B, T)
+    t0 = rows._block_start(B, T)
     vals = [(plgpu.load(n_ref.at[t0 + i], layout=ln), plgpu.load(r_ref.at[t0 + i], layout=lr))
             for i in range(B)]
     for i, (n, p) in enumerate(vals):
       r = loc_ref[t0 + i]
 
-      @pl.when(common.valid_row(r, rows))
+      @pl.when(common.valid_row(r, nrows))
       def _():
         kv_ref.at[r, pl.ds(0, NB)][...] = n
         kv_ref.at[r, pl.ds(NB, RB)][...] = p
@@ -89,33 +58,22 @@ def direct_set_kernel(interpret, *, T, rows, NB, RB, B):
   return run
 
 
-def as_bytes(x):
-  return jax.lax.bitcast_convert_type(x, U8).reshape(*x.shape[:-1], -1)
-
-
-def from_bytes(x, dtype):
-  n = jnp.dtype(dtype).itemsize
-  return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], -1, n), dtype)
-
-
 def direct_get(cache, layer, loc, B, interpret=False):
+  """The library's direct gather (`RowConfig.direct_block_tokens`) with B tokens per program."""
+  del interpret  # the library picks interpret mode by platform
   kv = cache.layer(layer)[0]
-  rows, _, W = kv.shape
-  R = 512
-  kvb = as_bytes(kv.reshape(rows, W))
-  n, p = direct_get_kernel(interpret, T=loc.shape[0], rows=rows, NB=2 * R, RB=2 * (W - R),
-                           B=B)(kvb, loc)
-  return from_bytes(n, kv.dtype)[:, None], from_bytes(p, kv.dtype)[:, None]
+  return rows.get_rows(kv, loc, kv_lora_rank=512, dst_dtype=kv.dtype,
+                       config=rows.RowConfig(direct_block_tokens=B))
 
 
 def direct_set(kv, loc, nope, rope, B, interpret=False):
-  rows, _, W = kv.shape
+  nrows, _, W = kv.shape
   T = loc.shape[0]
-  out = direct_set_kernel(interpret, T=T, rows=rows, NB=nope.shape[-1] * 2,
+  out = direct_set_kernel(interpret, T=T, nrows=nrows, NB=nope.shape[-1] * 2,
                           RB=rope.shape[-1] * 2, B=B)(
-      as_bytes(kv.reshape(rows, W)), loc, as_bytes(nope.reshape(T, -1)),
+      as_bytes(kv.reshape(nrows, W)), loc, as_bytes(nope.reshape(T, -1)),
       as_bytes(rope.reshape(T, -1)))
-  return from_bytes(out, kv.dtype).reshape(rows, 1, W)
+  return from_bytes(out, kv.dtype).reshape(nrows, 1, W)
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 # One device call: GPU tests, memcheck with hostile slots, diagnostics, benchmark.
 # Usage (device tool): bash benchmarks/gpu_session.sh
 #   [tests|decode|decode_bench|diag_decode|demo|deepseek|moves|rope|rope_bench|sanitize|diag|
-#    diag_moves|ptx|bench|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
+#    diag_rows|diag_moves|ptx|bench|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
 #
 # Budget notes (H200, jax 0.11.2; 30 min of device time a session, a cold start ~1-1.5 min):
 # a 61-layer Mosaic move kernel lowers in < 2 s of host time; the move GPU tests take ~100 s,
@@ -68,6 +68,10 @@ if want sanitize; then
   timeout ${SANITIZE_TIMEOUT:-90} compute-sanitizer --tool memcheck python3 -u \
     benchmarks/hostile_slots.py ${SANITIZE_ARGS:-} 2>&1 \
     | grep --line-buffered -v "Host Frame" > "$OUT/memcheck.log"; tail -8 "$OUT/memcheck.log"
+fi
+if want diag_rows; then   # small-T row kernels: floors, zeroing variants, direct loads/stores
+  timeout 170 python3 benchmarks/diag_get.py 2>&1 | tee "$OUT/diag_get.log"
+  timeout 170 python3 benchmarks/diag_direct.py 2>&1 | grep -v "Warning" | tee "$OUT/diag_direct.log"
 fi
 if want diag; then
   timeout 100 python3 benchmarks/diag_gpu.py 2>&1 | tee "$OUT/diag.log"

@@ -46,7 +46,7 @@ from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import (BLOCK_KV, DecodeConfig, Geometry, combine,
                                        num_sms, split_count)
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, kv_producer,
-                                             kv_ring, masked_positions, online_softmax,
+                                             kv_scratch, masked_positions, online_softmax,
                                              program_blocks, prologue, publish_weights, store_lse)
 
 MAX_ROWS = 32       # query rows (s_q x H) this path takes
@@ -104,19 +104,21 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, safe_table, page_ok, 
 
 def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quantized,
             sm_scale, stages):
-  W = R + Rr
   half = R // 2
-  tile, fp8_tile, copies, score_scale, row_vec, col_vec = prologue(dtype, page_size, sm_scale)
+  pro = prologue(dtype, page_size, sm_scale)
+  tile, _, _, score_scale, row_vec, col_vec = pro
 
   def body(*refs):
     if quantized:
       (nope_ref, scale_ref, rope_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
        q_smem, kv_smem, rope_smem, scale_smem, key_tile, p_smem, o_smem, alpha_smem,
        m_smem, l_smem, q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free) = refs
+      planes, ring = (nope_ref, rope_ref, scale_ref), (kv_smem, rope_smem, scale_smem)
     else:
       (kv_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
        q_smem, kv_smem, p_smem, o_smem, alpha_smem, m_smem, l_smem,
        q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free) = refs
+      planes, ring = (kv_ref,), (kv_smem,)
     sp = lax.axis_index("s")
     b = lax.axis_index("b")
     wg = lax.axis_index("wg")
@@ -236,18 +238,12 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
       plgpu.copy_smem_to_gmem(o_smem.at[col0], out_ref.at[b, sp, col0])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
-    def _producer():
-      gmem = (nope_ref, rope_ref, scale_ref) if quantized else (kv_ref,)
-      smem = (kv_smem, rope_smem, scale_smem) if quantized else (kv_smem,)
-      kv_producer(gmem, smem, kv_bar=kv_bar, free_bar=free_bar, stages=stages, pt_ref=pt_ref,
-                  b=b, first=first, n_steps=n_steps, page_size=page_size, P=P,
-                  interpret=interpret)
+    kv_producer(wg == 2, planes, ring, kv_bar=kv_bar, free_bar=free_bar, stages=stages,
+                pt_ref=pt_ref, b=b, first=first, n_steps=n_steps, page_size=page_size, P=P,
+                interpret=interpret)
 
-  per_block = 3 * copies if quantized else copies
-  smem = [plgpu.SMEM((N, W), dtype, transforms=tile)] + kv_ring(
-      quantized=quantized, stages=stages, R=R, Rr=Rr, dtype=dtype, tile=tile,
-      fp8_tile=fp8_tile)
+  smem, barriers = kv_scratch(pro, q_rows=N, quantized=quantized, stages=stages, R=R, Rr=Rr,
+                              dtype=dtype)
   smem += [
       plgpu.SMEM((N, BLOCK_KV), dtype, transforms=tile),   # P (N x 64 tokens)
       plgpu.SMEM((R, N), dtype),                           # out^T staging
@@ -255,11 +251,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
       plgpu.SMEM((N,), F32),                               # running max
       plgpu.SMEM((N,), F32),                               # running sum
   ]
-  barriers = [
-      plgpu.Barrier(num_arrivals=1),                              # q
-      plgpu.Barrier(num_arrivals=per_block, num_barriers=stages),  # KV block landed
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),          # KV stage free
-      plgpu.Barrier(num_arrivals=2),                              # both compute warpgroups
+  barriers += [
       plgpu.Barrier(num_arrivals=1),                              # P ready (wg 0 -> 1)
       plgpu.Barrier(num_arrivals=1),                              # P free (wg 1 -> 0)
   ]

@@ -46,18 +46,37 @@ def prologue(dtype, page_size: int, sm_scale: float) -> Prologue:
   )
 
 
-def kv_ring(*, quantized: bool, stages: int, R: int, Rr: int, dtype, tile, fp8_tile) -> list:
+def kv_ring(pro: Prologue, *, quantized: bool, stages: int, R: int, Rr: int, dtype) -> list:
   """Shared-memory types of the KV ring that `kv_producer` fills: ``stages`` blocks of
   BLOCK_KV whole rows, or for per_token_head the fp8 nope plane, the rope plane and the
-  scales of ``stages`` blocks plus one bf16/f16 tile the fp8 block is converted into."""
+  scales of ``stages`` blocks plus one bf16/f16 tile the fp8 block is converted into
+  (transforms from the kernel's `Prologue`)."""
   if not quantized:
-    return [plgpu.SMEM((stages, BLOCK_KV, R + Rr), dtype, transforms=tile)]
+    return [plgpu.SMEM((stages, BLOCK_KV, R + Rr), dtype, transforms=pro.tile)]
   return [
-      plgpu.SMEM((stages, BLOCK_KV, R), FP8_E4M3, transforms=fp8_tile),
-      plgpu.SMEM((stages, BLOCK_KV, Rr), dtype, transforms=tile),
+      plgpu.SMEM((stages, BLOCK_KV, R), FP8_E4M3, transforms=pro.fp8_tile),
+      plgpu.SMEM((stages, BLOCK_KV, Rr), dtype, transforms=pro.tile),
       plgpu.SMEM((stages, BLOCK_KV), F32),
-      plgpu.SMEM((BLOCK_KV, R), dtype, transforms=tile),
+      plgpu.SMEM((BLOCK_KV, R), dtype, transforms=pro.tile),
   ]
+
+
+def kv_scratch(pro: Prologue, *, q_rows: int, quantized: bool, stages: int, R: int, Rr: int,
+               dtype) -> tuple[list, list]:
+  """(shared memory, barriers) that the narrow and wide paths start their scratch with: the
+  query tile (q_rows x (R + Rr)) and the KV ring (`kv_ring`); barriers for the query, each
+  stage's KV block landing, each stage being free again (both compute warpgroups arrive),
+  and the two compute warpgroups' sync."""
+  per_block = 3 * pro.copies if quantized else pro.copies
+  smem = [plgpu.SMEM((q_rows, R + Rr), dtype, transforms=pro.tile)] + kv_ring(
+      pro, quantized=quantized, stages=stages, R=R, Rr=Rr, dtype=dtype)
+  barriers = [
+      plgpu.Barrier(num_arrivals=1),                              # q
+      plgpu.Barrier(num_arrivals=per_block, num_barriers=stages),  # KV block landed
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),          # KV stage free
+      plgpu.Barrier(num_arrivals=2),                              # both compute warpgroups
+  ]
+  return smem, barriers
 
 
 def copy_geometry(page_size: int) -> tuple[int, int]:
@@ -179,20 +198,23 @@ def convert_fp8(src, dst, chunks, dtype, layout, src_lead=(), dst_lead=()) -> No
     dst.at[(*dst_lead, slice(None), chunk)][...] = x.astype(F32).astype(dtype)
 
 
-def kv_producer(gmem, smem, *, kv_bar, free_bar, stages: int, pt_ref, b, first, n_steps,
-                page_size: int, P: int, interpret: bool) -> None:
-  """The producer warpgroup of the narrow and wide paths: blocks first, first + 1, ... of
-  the program, each plane of `gmem` into the ring `smem` (one (stages, BLOCK_KV, ...) ref
-  per plane), stage i % stages signalled on ``kv_bar.at[slot]``."""
-  if not interpret:
-    plgpu.set_max_registers(40, action="decrease")
+def kv_producer(active, gmem, smem, *, kv_bar, free_bar, stages: int, pt_ref, b, first,
+                n_steps, page_size: int, P: int, interpret: bool) -> None:
+  """The producer warpgroup of the narrow and wide paths (where `active`, e.g. wg == 2):
+  blocks first, first + 1, ... of the program, each plane of `gmem` (the layer's buffers:
+  (kv,) or (nope, rope, scale)) into the ring `smem` (one (stages, BLOCK_KV, ...) ref per
+  plane), stage i % stages signalled on ``kv_bar.at[slot]``."""
+  @pl.when(active)
+  def _producer():
+    if not interpret:
+      plgpu.set_max_registers(40, action="decrease")
 
-  def load(i):
-    slot = lax.rem(i, stages)
-    planes = tuple((src, dst, (slot,)) for src, dst in zip(gmem, smem))
-    copy_block(pt_ref, b, first + i, planes, kv_bar.at[slot], page_size=page_size, P=P)
+    def load(i):
+      slot = lax.rem(i, stages)
+      planes = tuple((src, dst, (slot,)) for src, dst in zip(gmem, smem))
+      copy_block(pt_ref, b, first + i, planes, kv_bar.at[slot], page_size=page_size, P=P)
 
-  produce(n_steps, stages, free_bar, load)
+    produce(n_steps, stages, free_bar, load)
 
 
 def store_lse(m_smem, l_smem, staging, dst, layout) -> None:

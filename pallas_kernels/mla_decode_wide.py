@@ -37,7 +37,7 @@ from pallas_kernels import common
 from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import (BLOCK_KV, LN2, DecodeConfig, Geometry,
                                        combine, num_sms, split_count)
-from pallas_kernels.mla_decode_parts import (CONVERT_COLS, convert_fp8, kv_producer, kv_ring,
+from pallas_kernels.mla_decode_parts import (CONVERT_COLS, convert_fp8, kv_producer, kv_scratch,
                                              masked_positions, online_softmax, program_blocks,
                                              prologue)
 
@@ -70,9 +70,9 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, safe_table, page_ok, 
 
 def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, splits,
                    page_size, dtype, quantized, sm_scale, stages):
-  W = R + Rr
   half = R // 2
-  tile, fp8_tile, copies, score_scale, _, _ = prologue(dtype, page_size, sm_scale)
+  pro = prologue(dtype, page_size, sm_scale)
+  tile, _, _, score_scale, _, _ = pro
 
   def body(*refs):
     if interpret:
@@ -81,9 +81,11 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
       (nope_ref, scale_ref, rope_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
        q_smem, kv_smem, rope_smem, scale_smem, key_tile, lse_smem,
        q_bar, kv_bar, free_bar, sync_bar) = refs
+      planes, ring = (nope_ref, rope_ref, scale_ref), (kv_smem, rope_smem, scale_smem)
     else:
       (kv_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
        q_smem, kv_smem, lse_smem, q_bar, kv_bar, free_bar, sync_bar) = refs
+      planes, ring = (kv_ref,), (kv_smem,)
     mt = lax.axis_index("m")
     sp = lax.axis_index("s")
     b = lax.axis_index("b")
@@ -207,24 +209,13 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
                                 lse_ref.at[b, sp, pl.ds(mt * BLOCK_M, tile_rows)])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
-    def _producer():
-      gmem = (nope_ref, rope_ref, scale_ref) if quantized else (kv_ref,)
-      smem = (kv_smem, rope_smem, scale_smem) if quantized else (kv_smem,)
-      kv_producer(gmem, smem, kv_bar=kv_bar, free_bar=free_bar, stages=stages, pt_ref=pt_ref,
-                  b=b, first=first, n_steps=n_steps, page_size=page_size, P=P,
-                  interpret=interpret)
+    kv_producer(wg == 2, planes, ring, kv_bar=kv_bar, free_bar=free_bar, stages=stages,
+                pt_ref=pt_ref, b=b, first=first, n_steps=n_steps, page_size=page_size, P=P,
+                interpret=interpret)
 
-  per_block = 3 * copies if quantized else copies
-  smem = [plgpu.SMEM((BLOCK_M, W), dtype, transforms=tile)] + kv_ring(
-      quantized=quantized, stages=stages, R=R, Rr=Rr, dtype=dtype, tile=tile,
-      fp8_tile=fp8_tile) + [plgpu.SMEM((BLOCK_M,), F32)]
-  barriers = [
-      plgpu.Barrier(num_arrivals=1),
-      plgpu.Barrier(num_arrivals=per_block, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2),
-  ]
+  smem, barriers = kv_scratch(pro, q_rows=BLOCK_M, quantized=quantized, stages=stages, R=R,
+                              Rr=Rr, dtype=dtype)
+  smem += [plgpu.SMEM((BLOCK_M,), F32)]                # lse staging
   return plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((B, splits, QRp, R), dtype),
