@@ -72,6 +72,7 @@ fi
 if want diag_rows; then   # small-T row kernels: floors, zeroing variants, direct loads/stores
   timeout 170 python3 benchmarks/diag_get.py 2>&1 | tee "$OUT/diag_get.log"
   timeout 170 python3 benchmarks/diag_direct.py 2>&1 | grep -v "Warning" | tee "$OUT/diag_direct.log"
+  timeout 120 python3 benchmarks/diag_floor.py 2>&1 | tee "$OUT/diag_floor.log"
 fi
 if want diag; then
   timeout 100 python3 benchmarks/diag_gpu.py 2>&1 | tee "$OUT/diag.log"
