@@ -63,6 +63,11 @@ VARIANTS = {
         ("new_c2", _r(NEW, chunks=2), "first half stored while second half loads"),
         ("t264", _r(NEW, target_programs=264), "B=16 at 4096"),
         ("m16", _r(NEW, max_block_tokens=16), "B=16 at 32768"),
+        ("direct1", _r(NEW, direct_block_tokens=1),
+         "plain loads/stores, 1 token per program: 1.01us at T=1 (diag_direct, 2026-12-04)"),
+        ("direct2", _r(NEW, direct_block_tokens=2), "2 tokens: best at T=512 (1.32us)"),
+        ("direct4", _r(NEW, direct_block_tokens=4), "4 tokens: best from T=2048 (2.36us at 4096)"),
+        ("direct8", _r(NEW, direct_block_tokens=8), "8 tokens: ~equal to 4 at 32768"),
     ],
     "pth": [
         ("new", NEW, "B=12 (2.6/SM at 4096): ~3.3us at 4096"),
@@ -82,6 +87,8 @@ def plan(op: str, T: int, cfg: pk.RowConfig) -> tuple:
   """What the kernel for (op, T, cfg) is: variants with equal plans compile the same."""
   if op == "pth":
     return ("B", rk.reg_block_tokens(T, cfg))
+  if op == "get" and cfg.direct_block_tokens:  # DeepSeek's bf16 rows take the direct gather
+    return ("B", min(cfg.direct_block_tokens, T), "D", True)
   B = rk.copy_block_tokens(T, cfg)
   key = ("B", B, "S", rk.stage_count(B, cfg.chunks))
   return key + ("pf", cfg.loc_prefetch) if op == "get" else key
@@ -90,6 +97,8 @@ def plan(op: str, T: int, cfg: pk.RowConfig) -> tuple:
 def plan_label(p: tuple) -> str:
   d = dict(zip(p[::2], p[1::2]))
   s = f"b{d['B']}" + (f"s{d['S']}" if d.get("S", 1) > 1 else "")
+  if d.get("D"):
+    return s + "D"  # D: direct gather (plain loads and stores)
   return s + ("" if d.get("pf", True) else "L")  # L: slot-by-slot (legacy) gathers
 
 

@@ -31,9 +31,9 @@ Every kernel is a 1-D grid of programs (one warpgroup each); program b owns toke
 re-does a few tokens of its neighbour, writing identical bytes), so every copy is in bounds
 and any T >= 1 works without masking the token range.
 
-All data movement uses the TMA engine's plain bulk copies (``cp.async.bulk``: contiguous,
-16-byte sizes and addresses, no 256-element box limit and no tensor map), because a token
-row is contiguous in every buffer:
+All data movement but the direct gather's (last below) uses the TMA engine's plain bulk
+copies (``cp.async.bulk``: contiguous, 16-byte sizes and addresses, no 256-element box
+limit and no tensor map), because a token row is contiguous in every buffer:
 
 * set: the block's ``nope`` and ``rope`` slices (contiguous in the inputs) arrive in shared
   memory with two bulk loads on one barrier, while every thread reads the block's ``loc``
