@@ -293,6 +293,18 @@ def test_direct_layouts():
   assert layouts(512, 64, jnp.float32) == ((2048, 16), (256, 2))
   assert layouts(512, 64, jnp.float8_e4m3fn) is None  # 64 rope bytes
   assert layouts(256, 32, jnp.bfloat16) is None
+  # Every vector access stays aligned to its width: row starts (the row stride) for both
+  # parts and the rope part's offset, for any widths the path takes.
+  for dtype in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn):
+    for R in range(64, 2049, 64):
+      for Rr in (32, 64, 128, 192, 256):
+        got = layouts(R, Rr, dtype)
+        if got is None:
+          continue
+        (nb, vn), (rb, vr) = got
+        stride = (R + Rr) * jnp.dtype(dtype).itemsize
+        assert nb + rb == stride and nb % (128 * vn) == 0 and rb % (128 * vr) == 0
+        assert stride % vn == 0 and stride % vr == 0 and nb % vr == 0
 
 
 @np.errstate(over="ignore")
