@@ -1,5 +1,6 @@
-"""Where a small gather's time goes (one device call): the get kernels as shipped (zero the
-rows of bad slots, then fence), with the fence only when a block has a bad slot (a uniform
+"""Where a small gather's time goes (one device call): the bulk-copy get kernels as shipped
+(zero the rows of bad slots, then fence; for bf16 rows forced with direct_block_tokens=0,
+as the default now gathers them without bulk copies: diag_direct.py), with the fence only when a block has a bad slot (a uniform
 branch; the callers' own fence is then still there, so on this code that variant measures
 an extra branch: the measured experiment is commit "Experiment: get kernels fence only..."),
 and with no zeroing at all (a lower bound, wrong for bad slots), next to two floor kernels:
@@ -15,6 +16,7 @@ changed T <= 512 by -0.01..-0.05 us and T = 4096 by +0.2 us: not kept.
 """
 
 import argparse
+import dataclasses
 import functools
 
 import jax
@@ -99,8 +101,13 @@ def main() -> None:
         rows._zero_bad_rows = fn
         common._cached_kernel_fn.cache_clear()
         jax.clear_caches()
-        f = jax.jit(lambda c, l: mc.get_mla_kv_buffer(c, 0, l, jnp.bfloat16,
-                                                      implementation="pallas"))
+        if op == "get":  # the bulk-copy gather (bf16 rows otherwise take the direct one)
+          bulk = dataclasses.replace(rows.tuned_config("get", T), direct_block_tokens=0)
+          f = jax.jit(lambda c, l, bulk=bulk: rows.get_rows(
+              c.layer(0)[0], l, kv_lora_rank=512, dst_dtype=jnp.bfloat16, config=bulk))
+        else:
+          f = jax.jit(lambda c, l: mc.get_mla_kv_buffer(c, 0, l, jnp.bfloat16,
+                                                        implementation="pallas"))
         cache = mc.init_cache(cfg)
         bd = {}
         bench.time_per_call(lambda s: (s[0], s[1], f(s[0], s[1])), (cache, loc, None),
