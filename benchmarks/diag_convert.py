@@ -1,0 +1,38 @@
+"""The per_token_head decode kernels' fp8 -> bf16 block conversion alone: one warpgroup
+converts a (64, 512) block in shared memory `--repeats` times, by integer bit moves (the
+decode kernels' GPU path) and through float32 (``astype``, what they did before), in the two
+register layouts the kernels use; device time per block (profiler, as bench.py).
+
+    PYTHONPATH=$PWD python3 benchmarks/diag_convert.py [--repeats 400]
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_mla_cache import bench
+from pallas_kernels import mla_decode_parts as parts
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--repeats", type=int, default=400)
+  parser.add_argument("--iters", type=int, default=5)
+  args = parser.parse_args()
+  x = np.random.default_rng(0).integers(0, 256, (64, 512)).astype(np.uint8)
+  x = jnp.asarray(x.view(jnp.float8_e4m3fn))
+  for layout in ("WGMMA_UPCAST_2X", "WGMMA"):
+    for bit_moves in (True, False):
+      f = jax.jit(parts.convert_tile_kernel(512, layout=getattr(plgpu.Layout, layout),
+                                            repeats=args.repeats, bit_moves=bit_moves))
+      us, _, method = bench.time_per_call(lambda st: (st[0], f(st[0])), (x, None), args.iters)
+      name = "bit moves" if bit_moves else "via float32"
+      print(f"{layout:16s} {name:12s} {us / args.repeats * 1e3:8.1f} ns a 64x512 block "
+            f"({method}, {args.repeats} blocks a call)", flush=True)
+
+
+if __name__ == "__main__":
+  main()
