@@ -1,7 +1,8 @@
 """The per_token_head decode kernels' fp8 -> bf16 block conversion alone: one warpgroup
-converts a (64, 512) block in shared memory `--repeats` times, by integer bit moves (the
-decode kernels' GPU path) and through float32 (``astype``, what they did before), in the two
-register layouts the kernels use; device time per block (profiler, as bench.py).
+converts a (64, 512) block in shared memory `--repeats` times (through float32, as the
+kernels do), in the two register layouts the kernels use; device time per block (profiler,
+as bench.py). Its first run (logs/2026-12-04b_diag_convert_bit_moves.log) also timed integer
+bit moves (prmt/shift/mask + an exact bf16x2 multiply), slower, since removed.
 
     PYTHONPATH=$PWD python3 benchmarks/diag_convert.py [--repeats 400]
 """
@@ -25,13 +26,11 @@ def main():
   x = np.random.default_rng(0).integers(0, 256, (64, 512)).astype(np.uint8)
   x = jnp.asarray(x.view(jnp.float8_e4m3fn))
   for layout in ("WGMMA_UPCAST_2X", "WGMMA"):
-    for bit_moves in (True, False):
-      f = jax.jit(parts.convert_tile_kernel(512, layout=getattr(plgpu.Layout, layout),
-                                            repeats=args.repeats, bit_moves=bit_moves))
-      us, _, method = bench.time_per_call(lambda st: (st[0], f(st[0])), (x, None), args.iters)
-      name = "bit moves" if bit_moves else "via float32"
-      print(f"{layout:16s} {name:12s} {us / args.repeats * 1e3:8.1f} ns a 64x512 block "
-            f"({method}, {args.repeats} blocks a call)", flush=True)
+    f = jax.jit(parts.convert_tile_kernel(512, layout=getattr(plgpu.Layout, layout),
+                                          repeats=args.repeats))
+    us, _, method = bench.time_per_call(lambda st: (st[0], f(st[0])), (x, None), args.iters)
+    print(f"{layout:16s} {us / args.repeats * 1e3:8.1f} ns a 64x512 block "
+          f"({method}, {args.repeats} blocks a call)", flush=True)
 
 
 if __name__ == "__main__":

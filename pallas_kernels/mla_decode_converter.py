@@ -122,7 +122,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       plgpu.barrier_wait(raw_full.at[j])
       convert_fp8(raw_smem, tiles, (pl.ds(c * CONVERT_COLS, CONVERT_COLS)
                                     for c in range(R // CONVERT_COLS)),
-                  dtype, CONVERT_LAYOUT, src_lead=(j,), dst_lead=(j,), interpret=interpret)
+                  dtype, CONVERT_LAYOUT, src_lead=(j,), dst_lead=(j,))
       plgpu.commit_smem()
       plgpu.barrier_arrive(raw_free.at[j])
       plgpu.barrier_arrive(tile_ready.at[j])

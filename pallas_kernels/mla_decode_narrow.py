@@ -195,7 +195,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
           sync_compute()
           convert_fp8(kv_smem, key_tile, (pl.ds(wg * half + c * CONVERT_COLS, CONVERT_COLS)
                                           for c in range(half // CONVERT_COLS)),
-                      dtype, CONVERT_LAYOUT, src_lead=(slot,), interpret=interpret)
+                      dtype, CONVERT_LAYOUT, src_lead=(slot,))
           plgpu.commit_smem()
           sync_compute()
 

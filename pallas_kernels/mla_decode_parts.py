@@ -10,14 +10,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, vector
 
 from pallas_kernels import common
 from pallas_kernels.common import F32
@@ -191,91 +186,25 @@ def accumulate(acc, a, b, interpret: bool):
   return pl.run_state(product)(plgpu.ACC.init(acc))
 
 
-def convert_fp8(src, dst, chunks, dtype, layout, src_lead=(), dst_lead=(), *,
-                interpret: bool = False, bit_moves: bool | None = None) -> None:
+def convert_fp8(src, dst, chunks, dtype, layout, src_lead=(), dst_lead=()) -> None:
   """Exact fp8 -> `dtype` conversion of column chunks of a KV block in shared memory.
 
   chunks: the column slices (``pl.ds``), converted one at a time (a 64-column chunk keeps
   the temporaries at 32 registers a thread); ``src.at[(*src_lead, :, chunk)]`` ->
   ``dst.at[(*dst_lead, :, chunk)]``, loaded and stored in `layout`. e4m3 -> bf16 has no
-  conversion instruction on sm_90 (ptxas 12/13); on the GPU it is integer bit moves and one
-  bf16 multiply (`_e4m3_to_bf16`), off the conversion units (16 results a clock an SM on
-  Hopper, which bounded the kernels through float32). The interpreter, and f16 caches,
-  use ``astype`` (`bit_moves` False forces it: the diagnosis' baseline).
+  conversion instruction on sm_90 (ptxas 12/13): through float32, exact like e4m3 -> f16
+  (e4m3 -> f16 -> f32 -> bf16). Integer bit moves instead (prmt, shift, mask, NaN flags and
+  an exact bf16x2 multiply by 2^120) were exact but slower on the H200: 1.11 vs 0.84 us a
+  64 x 512 block for one warpgroup (`benchmarks/diag_convert.py`), 92.8 vs 84.3 us for the
+  converter path's B=64 H=16 context 4096 (`logs/2026-12-04b_*bit_moves*`).
   """
-  fast = not interpret and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
-  if bit_moves is not None:
-    fast = fast and bit_moves
   for chunk in chunks:
     x = plgpu.load(src.at[(*src_lead, slice(None), chunk)], layout=layout)
-    if fast:
-      y = _e4m3_to_bf16(x, layout)
-    elif jnp.dtype(dtype) == jnp.dtype(jnp.float16):
-      y = x.astype(dtype)
-    else:
-      y = x.astype(F32).astype(dtype)
-    dst.at[(*dst_lead, slice(None), chunk)][...] = y
-
-
-# e4m3 -> bf16 on 32-bit registers holding four fp8 codes, two codes (one bf16x2) at a time.
-# `prmt` spreads code k to a 16-bit half, sign-extended; shifted left by 4 and masked, the
-# half is the bf16 pattern whose exponent field is the code's 4-bit exponent field and whose
-# mantissa starts with the code's 3 mantissa bits: the code's value times 2^-120, exactly
-# (e4m3 subnormals become bf16 subnormals). NaN codes (low 7 bits all ones) are flagged per
-# byte by a carry into bit 7 of (w & 0x7f7f7f7f) + 0x01010101; `prmt` with sign replication
-# turns a flag into 0xffff, which sets the exponent field to all ones (a NaN: the mantissa is
-# not zero). The multiply by 2^120 (0x7b80) is exact: every nonzero result is a bf16 normal.
-_E4M3_BF16_PTX = """{{
-.reg .b32 m, s, n, c;
-and.b32 m, $1, 0x7F7F7F7F;
-add.u32 m, m, 0x01010101;
-prmt.b32 s, $1, $1, {sel};
-shl.b32 s, s, 4;
-and.b32 s, s, 0x87F087F0;
-prmt.b32 n, m, m, {nan_sel};
-and.b32 n, n, 0x7F807F80;
-or.b32 s, s, n;
-mov.b32 c, 0x7B807B80;
-mul.rn.bf16x2 $0, s, c;
-}}"""
-# (prmt selector of the sign-extended pair, selector of its NaN flags) for bytes (0, 1), (2, 3).
-_E4M3_PAIRS = ((0x9180, 0x9988), (0xB3A2, 0xBBAA))
-
-
-def _e4m3_to_bf16(x, layout):
-  """`x` (a float8_e4m3fn array in registers, `layout`) as bfloat16, exactly (see above)."""
-  @plgpu.inline_mgpu(arg_types=(layout,),
-                     return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.bfloat16, layout=layout))
-  def convert(_, fa):
-    i32 = ir.IntegerType.get_signless(32)
-    bf16 = ir.BF16Type.get()
-    out = np.empty_like(fa.registers)
-    for idx, reg in np.ndenumerate(fa.registers):
-      [n] = ir.VectorType(reg.type).shape
-      if n == 2:     # e.g. the WGMMA layout: one pair a register
-        pairs = _E4M3_PAIRS[:1]
-        words = arith.extui(i32, mgpu_utils.bitcast(reg, ir.IntegerType.get_signless(16)))
-        words = vector.broadcast(ir.VectorType.get((1,), i32), words)
-      elif n % 4 == 0:
-        pairs = _E4M3_PAIRS
-        words = mgpu_utils.bitcast(reg, ir.VectorType.get((n // 4,), i32))
-      else:
-        raise NotImplementedError(f"{n} fp8 values a register (the conversion takes 2 or 4k)")
-      pieces = []
-      for k in range(ir.VectorType(words.type).shape[0]):
-        w = vector.extract(words, dynamic_position=[], static_position=[k])
-        for sel, nan_sel in pairs:
-          pair = llvm.inline_asm(i32, [w], _E4M3_BF16_PTX.format(sel=sel, nan_sel=nan_sel),
-                                 "=r,r", has_side_effects=False)
-          pieces.append(mgpu_utils.bitcast(pair, ir.VectorType.get((2,), bf16)))
-      out[idx] = mgpu_utils.vector_concat(pieces)
-    return mgpu.FragmentedArray(_registers=out, _layout=fa.layout, _is_signed=None)
-
-  return convert(x)
+    dst.at[(*dst_lead, slice(None), chunk)][...] = x.astype(F32).astype(dtype)
 
 
 def convert_tile_kernel(cols: int, *, layout=plgpu.Layout.WGMMA_UPCAST_2X, repeats: int = 1,
-                        bit_moves: bool = True, interpret: bool = False):
+                        interpret: bool = False):
   """A one-warpgroup kernel: a (BLOCK_KV, cols) float8_e4m3fn array -> bfloat16 through
   shared memory by `convert_fp8` (as the decode kernels convert a block), `repeats` times
   (the GPU tests check every code exactly; `benchmarks/diag_convert.py` times it)."""
@@ -288,7 +217,7 @@ def convert_tile_kernel(cols: int, *, layout=plgpu.Layout.WGMMA_UPCAST_2X, repea
     @pl.loop(0, repeats)
     def _(i):
       convert_fp8(x_smem, o_smem, [pl.ds(c, CONVERT_COLS) for c in range(0, cols, CONVERT_COLS)],
-                  jnp.bfloat16, layout, interpret=interpret, bit_moves=bit_moves)
+                  jnp.bfloat16, layout)
 
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_ref)

@@ -135,7 +135,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
           sync_compute()
           convert_fp8(kv_smem, key_tile, (pl.ds(wg * half + c * CONVERT_COLS, CONVERT_COLS)
                                           for c in range(half // CONVERT_COLS)),
-                      dtype, plgpu.Layout.WGMMA, src_lead=(slot,), interpret=interpret)
+                      dtype, plgpu.Layout.WGMMA, src_lead=(slot,))
           plgpu.commit_smem()
           sync_compute()
 
