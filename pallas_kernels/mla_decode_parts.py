@@ -154,16 +154,15 @@ def masked_positions(idx, block, ok_ref, b, *, page_size: int, P: int):
   return pos + penalty
 
 
-def online_softmax(s, m_i, l_i, axis: int, block_max=None):
+def online_softmax(s, m_i, l_i, axis: int):
   """One block of the online softmax along `axis` of the (masked, log2-scaled) scores s.
 
   Returns (m_new, alpha, p, l_new): the running max, the factor that rescales what was
   accumulated before, the block's weights exp2(s - max) and the running sum. A row with
-  nothing visible yet keeps max -inf and gets weights 0. `block_max`: the block's maxima
-  when `s` is part of the block (default: s's own).
+  nothing visible yet keeps max -inf and gets weights 0.
   """
   keep = [1 - axis]
-  m_new = jnp.maximum(m_i, s.max(axis=axis) if block_max is None else block_max)
+  m_new = jnp.maximum(m_i, s.max(axis=axis))
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m_i - m_use)
   p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, keep))

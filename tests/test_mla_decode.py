@@ -219,8 +219,6 @@ KERNEL_CASES = [
     ("pth", 32, 2, 2, 16, 5, 3, "wide"),
     ("pth", 64, 2, 1, 8, 3, 1, "wide"),
     ("pth", 64, 2, 1, 5, 3, 1, "narrow"),       # 5 rows padded to 16
-    ("bf16", 64, 2, 3, 24, 3, 2, "shared"),     # 72 query rows: two M tiles
-    ("bf16", 16, 3, 1, 16, 10, None, "shared"),
     ("pth", 32, 2, 1, 16, 5, 3, "converter"),   # two copies per block, three splits
     ("pth", 64, 2, 1, 5, 3, 1, "converter"),    # 5 rows padded to 16
     ("pth", 64, 3, 2, 8, 4, 2, "converter"),    # 16 rows, queries causal
@@ -242,8 +240,8 @@ def test_kernel_interpret_matches_reference(mode, page_size, B, s_q, H, P, split
 
 
 def test_kernel_paths_take_what_they_say():
-  """converter takes per_token_head with <= 16 query rows, narrow <= 32 query rows, shared
-  the plain cache, wide everything; the default order tries them in that order."""
+  """converter takes per_token_head with <= 16 query rows, narrow <= 32 query rows, wide
+  everything; the default order tries them in that order."""
   geo = lambda s_q, H, quantized=False: kernel.Geometry(
       B=4, s_q=s_q, H=H, R=512, Rr=64, P=8, page_size=64, rows=4096, quantized=quantized,
       dtype=jnp.dtype(jnp.bfloat16))
@@ -251,10 +249,7 @@ def test_kernel_paths_take_what_they_say():
   narrow = kernel._path("narrow")
   wide = kernel._path("wide")
   config = kernel.DecodeConfig()
-  assert kernel.PATHS == ("converter", "narrow", "shared", "wide")
-  shared = kernel._path("shared")
-  assert shared.takes(geo(2, 128), config) is None
-  assert "per_token_head" in shared.takes(geo(2, 128, True), config)
+  assert kernel.PATHS == ("converter", "narrow", "wide")
   for s_q, H in ((1, 16), (2, 8), (1, 1)):
     assert converter.takes(geo(s_q, H, True), config) is None
   assert "plain" in converter.takes(geo(1, 16), config)
