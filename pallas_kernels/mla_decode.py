@@ -225,8 +225,9 @@ def combine(out, lse, dtype, *, rows_last: bool = False):
   total = jax.nn.logsumexp(lse, axis=1)                      # -inf where every split is
   weight = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - jnp.where(
       jnp.isneginf(total), 0.0, total)[:, None]))
-  # A weighted sum over the splits as one elementwise-and-reduce (XLA fuses it with the
-  # conversions), not a dot: a batched matmul with 2..132 terms took more launches.
+  # The weighted sum over the splits as a float32 multiply + reduce (one fusion) rather than
+  # an einsum, which XLA may lower to a dot at its default (not full float32) precision.
+  # Same device time on the H200 (B=64, H=16, 4096: 83.5 us, 81.6-83.1 before).
   weight = weight[:, :, None, :] if rows_last else weight[..., None]
   merged = (weight * out.astype(F32)).sum(axis=1)
   if rows_last:

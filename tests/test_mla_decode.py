@@ -5,14 +5,15 @@ kernel's CUDA lowering."""
 
 import chex
 import jax
-import jax.experimental.pallas.mosaic_gpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import jax_mla_cache as mc
 from pallas_kernels import mla_decode as kernel
+from pallas_kernels import mla_decode_parts as parts
 
 
 # ----------------------------------------------------------------- float64 model
@@ -297,14 +298,13 @@ def test_kernel_lowers_for_cuda(mode, page_size, B, s_q, H, path):
   assert "mosaic_gpu" in text.lower()
 
 
-E4M3_CODES = np.arange(BLOCK_CODES := 64 * 512, dtype=np.int64) * 7 % 256  # every code, mixed
+E4M3_CODES = np.arange(64 * 512, dtype=np.int64) * 7 % 256  # every code, in a mixed order
 
 
 @pytest.mark.parametrize("layout", ["WGMMA_UPCAST_2X", "WGMMA"])
 def test_fp8_tile_conversion_interpret_and_lowering(layout):
-  from pallas_kernels import mla_decode_parts as parts
   x = jnp.asarray(E4M3_CODES[:64 * 64].astype(np.uint8).view(jnp.float8_e4m3fn).reshape(64, 64))
-  lay = getattr(jax.experimental.pallas.mosaic_gpu.Layout, layout)
+  lay = getattr(plgpu.Layout, layout)
   got = jax.jit(parts.convert_tile_kernel(64, layout=lay, interpret=True))(x)
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(x, np.float32))
   text = jax.jit(parts.convert_tile_kernel(64, layout=lay)).trace(x).lower(
@@ -317,9 +317,8 @@ def test_fp8_tile_conversion_interpret_and_lowering(layout):
 def test_gpu_fp8_tile_conversion_is_exact_for_every_code(layout):
   """The decode kernels' block conversion on the GPU: every e4m3 code (zeros, subnormals, both
   NaNs, +-448) to the same bfloat16 value as ml_dtypes, sign of zero and NaN included."""
-  from pallas_kernels import mla_decode_parts as parts
   x = E4M3_CODES.astype(np.uint8).view(jnp.float8_e4m3fn).reshape(64, 512)
-  lay = getattr(jax.experimental.pallas.mosaic_gpu.Layout, layout)
+  lay = getattr(plgpu.Layout, layout)
   got = np.asarray(jax.jit(parts.convert_tile_kernel(512, layout=lay))(jnp.asarray(x)))
   want = x.astype(jnp.bfloat16)
   nan = np.isnan(want.astype(np.float32))
