@@ -194,17 +194,19 @@ def mla_decode(buffers, q, page_table, seq_lens, *, sm_scale: float, page_size: 
   else:
     raise common.Unsupported("; ".join(reasons))
 
+  # One int32 operand (a single XLA fusion): page ids, out-of-range ones as -1 (checked
+  # before any narrowing, so 64-bit ids cannot wrap into range), and the clamped lengths.
   n_pages = rows // page_size
-  page_ok = (page_table >= 0) & (page_table < n_pages)
-  safe_table = jnp.where(page_ok, page_table, 0).astype(jnp.int32)
-  lens = jnp.clip(seq_lens, 0, geo.P * page_size).astype(jnp.int32)
+  pages = jnp.where((page_table >= 0) & (page_table < n_pages), page_table, -1)
+  lens = jnp.clip(seq_lens, 0, geo.P * page_size)
+  meta = jnp.concatenate([pages.astype(jnp.int32), lens.astype(jnp.int32)[:, None]], axis=1)
   if geo.quantized:
     nope, scale, rope = buffers
     operands = (nope.reshape(rows, geo.R), scale.reshape(rows), rope.reshape(rows, geo.Rr))
   else:
     operands = (buffers[0].reshape(rows, W),)
-  out, lse = module.run(geo, config, operands, q.reshape(B, geo.QR, W), safe_table,
-                        page_ok.astype(jnp.int32), lens, sm_scale=float(sm_scale),
+  out, lse = module.run(geo, config, operands, q.reshape(B, geo.QR, W), meta,
+                        sm_scale=float(sm_scale),
                         num_splits=num_splits)
   return out.reshape(B, s_q, H, geo.R), lse.reshape(B, s_q, H)
 

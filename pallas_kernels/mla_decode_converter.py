@@ -39,7 +39,7 @@ from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, DecodeConfig, Geometry, combine,
                                        num_sms, split_count)
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, copy_block,
-                                             masked_positions, online_softmax, produce,
+                                             masked_positions, online_softmax, page_table, produce,
                                              program_blocks, prologue, publish_weights, store_lse)
 from pallas_kernels.mla_decode_narrow import CONVERT_LAYOUT, SMEM_LIMIT
 
@@ -69,9 +69,10 @@ def takes(geo: Geometry, config: DecodeConfig) -> str | None:
   return None
 
 
-def run(geo: Geometry, config: DecodeConfig, operands, q2, safe_table, page_ok, lens, *,
+def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
         sm_scale: float, num_splits: int | None):
-  """The kernel on prepared operands: q2 (B, QR, W); returns (out (B, QR, R), lse (B, QR))."""
+  """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 1) (`PageTable`); returns
+  (out (B, QR, R), lse (B, QR))."""
   QR, N = geo.QR, MAX_ROWS
   splits = num_splits or split_count(geo.B, 1, geo.max_blocks, num_sms(config))
   if N != QR:
@@ -79,7 +80,7 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, safe_table, page_ok, 
   build = functools.partial(
       _kernel, B=geo.B, s_q=geo.s_q, H=geo.H, R=geo.R, Rr=geo.Rr, P=geo.P, N=N,
       splits=splits, page_size=geo.page_size, dtype=geo.dtype, sm_scale=sm_scale)
-  out, lse = common.dispatch(build, *operands, q2, safe_table, page_ok, lens)
+  out, lse = common.dispatch(build, *operands, q2, meta)
   out, lse = combine(out[..., :geo.R], lse, geo.dtype)
   return out[:, :QR], lse[:, :QR]
 
@@ -89,10 +90,11 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
   half = R // 2
   tile, fp8_tile, copies, score_scale, row_vec, col_vec = prologue(dtype, page_size, sm_scale)
 
-  def body(nope_ref, scale_ref, rope_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
+  def body(nope_ref, scale_ref, rope_ref, q_ref, meta_ref, out_ref, lse_ref,
            q_smem, raw_smem, scale_smem, rope_smem, tiles, p_smem, alpha_smem, m_smem, l_smem,
            q_bar, raw_full, raw_free, rope_full, rope_free, tile_ready, tile_free, p_ready,
            p_free, sync_bar):
+    pt_ref, ok_ref, len_ref = page_table(meta_ref, P)
     sp = lax.axis_index("s")
     b = lax.axis_index("b")
     wg = lax.axis_index("wg")

@@ -47,7 +47,8 @@ from pallas_kernels.mla_decode import (BLOCK_KV, DecodeConfig, Geometry, combine
                                        num_sms, split_count)
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, kv_producer,
                                              kv_scratch, masked_positions, online_softmax,
-                                             program_blocks, prologue, publish_weights, store_lse)
+                                             page_table, program_blocks, prologue, publish_weights,
+                                             store_lse)
 
 MAX_ROWS = 32       # query rows (s_q x H) this path takes
 SMEM_LIMIT = 227 * 1024
@@ -85,9 +86,10 @@ def takes(geo: Geometry, config: DecodeConfig) -> str | None:
   return None
 
 
-def run(geo: Geometry, config: DecodeConfig, operands, q2, safe_table, page_ok, lens, *,
+def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
         sm_scale: float, num_splits: int | None):
-  """The kernel on prepared operands: q2 (B, QR, W); returns (out (B, QR, R), lse (B, QR))."""
+  """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 1) (`PageTable`); returns
+  (out (B, QR, R), lse (B, QR))."""
   QR = geo.QR
   N = padded_rows(QR)
   splits = num_splits or split_count(geo.B, 1, geo.max_blocks, num_sms(config))
@@ -97,7 +99,7 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, safe_table, page_ok, 
       _kernel, B=geo.B, s_q=geo.s_q, H=geo.H, R=geo.R, Rr=geo.Rr, P=geo.P, N=N,
       splits=splits, page_size=geo.page_size, dtype=geo.dtype, quantized=geo.quantized,
       sm_scale=sm_scale, stages=config.stages)
-  out, lse = common.dispatch(build, *operands, q2, safe_table, page_ok, lens)
+  out, lse = common.dispatch(build, *operands, q2, meta)
   out, lse = combine(out, lse, geo.dtype, rows_last=True)
   return out[:, :QR], lse[:, :QR]
 
@@ -110,15 +112,16 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
 
   def body(*refs):
     if quantized:
-      (nope_ref, scale_ref, rope_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
+      (nope_ref, scale_ref, rope_ref, q_ref, meta_ref, out_ref, lse_ref,
        q_smem, kv_smem, rope_smem, scale_smem, key_tile, p_smem, o_smem, alpha_smem,
        m_smem, l_smem, q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free) = refs
       planes, ring = (nope_ref, rope_ref, scale_ref), (kv_smem, rope_smem, scale_smem)
     else:
-      (kv_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
+      (kv_ref, q_ref, meta_ref, out_ref, lse_ref,
        q_smem, kv_smem, p_smem, o_smem, alpha_smem, m_smem, l_smem,
        q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free) = refs
       planes, ring = (kv_ref,), (kv_smem,)
+    pt_ref, ok_ref, len_ref = page_table(meta_ref, P)
     sp = lax.axis_index("s")
     b = lax.axis_index("b")
     wg = lax.axis_index("wg")

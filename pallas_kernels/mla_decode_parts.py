@@ -85,6 +85,35 @@ def copy_geometry(page_size: int) -> tuple[int, int]:
   return (1 if page_size >= BLOCK_KV else BLOCK_KV // page_size), min(page_size, BLOCK_KV)
 
 
+class PageTable(NamedTuple):
+  """Views of the kernels' one page-table operand ``meta`` (B, P + 1) int32: columns 0..P-1
+  the page ids with every out-of-range id replaced by -1, column P the clamped length
+  (one XLA fusion before the kernel instead of three). Indexed like the arrays they stand
+  for: ``pages[b, i]`` (a safe id: -1 reads page 0, masked), ``ok[b, i]`` (1 or 0),
+  ``lens[b]``."""
+
+  pages: "_Column"
+  ok: "_Column"
+  lens: "_Column"
+
+
+class _Column(NamedTuple):
+  meta: object
+  fn: Callable
+
+  def __getitem__(self, index):
+    return self.fn(self.meta, index)
+
+
+def page_table(meta_ref, P: int) -> PageTable:
+  """The `PageTable` views of `meta_ref` (integer arithmetic only, no booleans)."""
+  return PageTable(
+      pages=_Column(meta_ref, lambda m, bi: jnp.maximum(m[bi], 0)),
+      ok=_Column(meta_ref, lambda m, bi: 1 - lax.shift_right_logical(m[bi], 31)),
+      lens=_Column(meta_ref, lambda m, b: m[b, P]),
+  )
+
+
 def program_blocks(len_ref, b, sp, splits: int):
   """(length, first block, number of blocks) of split `sp` of sequence b: the blocks of
   the sequence are dealt out in equal runs to the `splits` programs of the sequence."""

@@ -38,8 +38,8 @@ from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import (BLOCK_KV, LN2, DecodeConfig, Geometry,
                                        combine, num_sms, split_count)
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, convert_fp8, kv_producer, kv_scratch,
-                                             masked_positions, online_softmax, program_blocks,
-                                             prologue)
+                                             masked_positions, online_softmax, page_table,
+                                             program_blocks, prologue)
 
 BLOCK_M = 64        # query rows per tile (a wgmma's M)
 
@@ -50,9 +50,10 @@ def takes(geo: Geometry, config: DecodeConfig) -> str | None:
   return None
 
 
-def run(geo: Geometry, config: DecodeConfig, operands, q2, safe_table, page_ok, lens, *,
+def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
         sm_scale: float, num_splits: int | None):
-  """The kernel on prepared operands: q2 (B, QR, W); returns (out (B, QR, R), lse (B, QR))."""
+  """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 1) (`PageTable`); returns
+  (out (B, QR, R), lse (B, QR))."""
   QR = geo.QR
   QRp = -(-QR // 8) * 8 if QR <= BLOCK_M else -(-QR // BLOCK_M) * BLOCK_M
   m_tiles = -(-QRp // BLOCK_M)
@@ -63,7 +64,7 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, safe_table, page_ok, 
       _decode_kernel, B=geo.B, s_q=geo.s_q, H=geo.H, R=geo.R, Rr=geo.Rr, P=geo.P, QRp=QRp,
       tile_rows=min(QRp, BLOCK_M), m_tiles=m_tiles, splits=splits, page_size=geo.page_size,
       dtype=geo.dtype, quantized=geo.quantized, sm_scale=sm_scale, stages=config.stages)
-  out, lse = common.dispatch(build, *operands, q2, safe_table, page_ok, lens)
+  out, lse = common.dispatch(build, *operands, q2, meta)
   out, lse = combine(out, lse, geo.dtype)
   return out[:, :QR], lse[:, :QR]
 
@@ -78,15 +79,16 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
     if interpret:
       *refs, p_smem = refs
     if quantized:
-      (nope_ref, scale_ref, rope_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
+      (nope_ref, scale_ref, rope_ref, q_ref, meta_ref, out_ref, lse_ref,
        q_smem, kv_smem, rope_smem, scale_smem, key_tile, lse_smem,
        q_bar, kv_bar, free_bar, sync_bar) = refs
       planes, ring = (nope_ref, rope_ref, scale_ref), (kv_smem, rope_smem, scale_smem)
     else:
-      (kv_ref, q_ref, pt_ref, ok_ref, len_ref, out_ref, lse_ref,
+      (kv_ref, q_ref, meta_ref, out_ref, lse_ref,
        q_smem, kv_smem, lse_smem, q_bar, kv_bar, free_bar, sync_bar) = refs
       planes, ring = (kv_ref,), (kv_smem,)
     mt = lax.axis_index("m")
+    pt_ref, ok_ref, len_ref = page_table(meta_ref, P)
     sp = lax.axis_index("s")
     b = lax.axis_index("b")
     wg = lax.axis_index("wg")
