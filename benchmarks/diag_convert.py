@@ -1,6 +1,6 @@
 """The per_token_head decode kernels' fp8 -> bf16 block conversion alone: one warpgroup
-converts a (64, 512) block in shared memory `--repeats` times (through float32, as the
-kernels do), in the two register layouts the kernels use; device time per block (profiler,
+converts a (64, 512) block in shared memory `--repeats` times (to bf16 through float32,
+to f16 directly), in the two register layouts the kernels use; device time per block (profiler,
 as bench.py). Its first run (logs/2026-12-04b_diag_convert_bit_moves.log) also timed integer
 bit moves (prmt/shift/mask + an exact bf16x2 multiply), slower, since removed.
 
@@ -25,12 +25,13 @@ def main():
   args = parser.parse_args()
   x = np.random.default_rng(0).integers(0, 256, (64, 512)).astype(np.uint8)
   x = jnp.asarray(x.view(jnp.float8_e4m3fn))
-  for layout in ("WGMMA_UPCAST_2X", "WGMMA"):
-    f = jax.jit(parts.convert_tile_kernel(512, layout=getattr(plgpu.Layout, layout),
-                                          repeats=args.repeats))
-    us, _, method = bench.time_per_call(lambda st: (st[0], f(st[0])), (x, None), args.iters)
-    print(f"{layout:16s} {us / args.repeats * 1e3:8.1f} ns a 64x512 block "
-          f"({method}, {args.repeats} blocks a call)", flush=True)
+  for dtype in (jnp.bfloat16, jnp.float16):
+    for layout in ("WGMMA_UPCAST_2X", "WGMMA"):
+      f = jax.jit(parts.convert_tile_kernel(512, layout=getattr(plgpu.Layout, layout),
+                                            repeats=args.repeats, dtype=dtype))
+      us, _, method = bench.time_per_call(lambda st: (st[0], f(st[0])), (x, None), args.iters)
+      print(f"-> {jnp.dtype(dtype).name:8s} {layout:16s} {us / args.repeats * 1e3:8.1f} ns a "
+            f"64x512 block ({method}, {args.repeats} blocks a call)", flush=True)
 
 
 if __name__ == "__main__":

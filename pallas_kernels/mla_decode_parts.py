@@ -227,17 +227,19 @@ def convert_fp8(src, dst, chunks, dtype, layout, src_lead=(), dst_lead=()) -> No
   64 x 512 block for one warpgroup (`benchmarks/diag_convert.py`), 92.8 vs 84.3 us for the
   converter path's B=64 H=16 context 4096 (`logs/2026-12-04b_*bit_moves*`).
   """
+  direct = jnp.dtype(dtype) == jnp.dtype(jnp.float16)   # one cvt.rn.f16x2.e4m3x2 a pair
   for chunk in chunks:
     x = plgpu.load(src.at[(*src_lead, slice(None), chunk)], layout=layout)
-    dst.at[(*dst_lead, slice(None), chunk)][...] = x.astype(F32).astype(dtype)
+    dst.at[(*dst_lead, slice(None), chunk)][...] = (
+        x.astype(dtype) if direct else x.astype(F32).astype(dtype))
 
 
 def convert_tile_kernel(cols: int, *, layout=plgpu.Layout.WGMMA_UPCAST_2X, repeats: int = 1,
-                        interpret: bool = False):
-  """A one-warpgroup kernel: a (BLOCK_KV, cols) float8_e4m3fn array -> bfloat16 through
+                        interpret: bool = False, dtype=jnp.bfloat16):
+  """A one-warpgroup kernel: a (BLOCK_KV, cols) float8_e4m3fn array -> `dtype` through
   shared memory by `convert_fp8` (as the decode kernels convert a block), `repeats` times
   (the GPU tests check every code exactly; `benchmarks/diag_convert.py` times it)."""
-  pro = prologue(jnp.bfloat16, 64, 1.0)
+  pro = prologue(dtype, 64, 1.0)
 
   def body(x_ref, o_ref, x_smem, o_smem, bar):
     plgpu.copy_gmem_to_smem(x_ref, x_smem, bar)
@@ -246,16 +248,16 @@ def convert_tile_kernel(cols: int, *, layout=plgpu.Layout.WGMMA_UPCAST_2X, repea
     @pl.loop(0, repeats)
     def _(i):
       convert_fp8(x_smem, o_smem, [pl.ds(c, CONVERT_COLS) for c in range(0, cols, CONVERT_COLS)],
-                  jnp.bfloat16, layout)
+                  dtype, layout)
 
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_ref)
     plgpu.wait_smem_to_gmem(0)
 
   return plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((BLOCK_KV, cols), jnp.bfloat16),
+      body, out_type=jax.ShapeDtypeStruct((BLOCK_KV, cols), dtype),
       scratch_types=[plgpu.SMEM((BLOCK_KV, cols), FP8_E4M3, transforms=pro.fp8_tile),
-                     plgpu.SMEM((BLOCK_KV, cols), jnp.bfloat16, transforms=pro.tile),
+                     plgpu.SMEM((BLOCK_KV, cols), dtype, transforms=pro.tile),
                      plgpu.Barrier(num_arrivals=1)],
       num_threads=1, thread_name="wg", kernel_name="convert_tile",
       interpret=common.interpret_params() if interpret else None)

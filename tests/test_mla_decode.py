@@ -301,26 +301,31 @@ def test_kernel_lowers_for_cuda(mode, page_size, B, s_q, H, path):
 E4M3_CODES = np.arange(64 * 512, dtype=np.int64) * 7 % 256  # every code, in a mixed order
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("layout", ["WGMMA_UPCAST_2X", "WGMMA"])
-def test_fp8_tile_conversion_interpret_and_lowering(layout):
+def test_fp8_tile_conversion_interpret_and_lowering(layout, dtype):
   x = jnp.asarray(E4M3_CODES[:64 * 64].astype(np.uint8).view(jnp.float8_e4m3fn).reshape(64, 64))
   lay = getattr(plgpu.Layout, layout)
-  got = jax.jit(parts.convert_tile_kernel(64, layout=lay, interpret=True))(x)
+  got = jax.jit(parts.convert_tile_kernel(64, layout=lay, interpret=True, dtype=dtype))(x)
+  assert got.dtype == jnp.dtype(dtype)
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(x, np.float32))
-  text = jax.jit(parts.convert_tile_kernel(64, layout=lay)).trace(x).lower(
+  text = jax.jit(parts.convert_tile_kernel(64, layout=lay, dtype=dtype)).trace(x).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "convert_tile" in text
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("layout", ["WGMMA_UPCAST_2X", "WGMMA"])
-def test_gpu_fp8_tile_conversion_is_exact_for_every_code(layout):
+def test_gpu_fp8_tile_conversion_is_exact_for_every_code(layout, dtype):
   """The decode kernels' block conversion on the GPU: every e4m3 code (zeros, subnormals, both
-  NaNs, +-448) to the same bfloat16 value as ml_dtypes, sign of zero and NaN included."""
+  NaNs, +-448) to the same bfloat16 / float16 value as ml_dtypes, sign of zero and NaN
+  included."""
   x = E4M3_CODES.astype(np.uint8).view(jnp.float8_e4m3fn).reshape(64, 512)
   lay = getattr(plgpu.Layout, layout)
-  got = np.asarray(jax.jit(parts.convert_tile_kernel(512, layout=lay))(jnp.asarray(x)))
-  want = x.astype(jnp.bfloat16)
+  got = np.asarray(jax.jit(parts.convert_tile_kernel(512, layout=lay, dtype=dtype))(
+      jnp.asarray(x)))
+  want = x.astype(dtype)
   nan = np.isnan(want.astype(np.float32))
   np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
   np.testing.assert_array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
