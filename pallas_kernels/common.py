@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -119,6 +120,72 @@ def true_divide(x: jax.Array, per_row: jax.Array, interpret: bool, layout=None) 
   if layout is None:
     return x / divisor
   return _div_rn(x, divisor, layout)
+
+
+SHORT_SIGNIFICAND_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+TINY_SCALE = np.float32(2.0 ** -69)   # `scale_divide` lifts rows with a smaller scale
+
+
+def scale_divide(x: jax.Array, scale: jax.Array, interpret: bool, layout, row_layout):
+  """``x / scale[:, None]``, the IEEE float32 quotient, for SPEC §3's nope values: x holds
+  bf16 or f16 values (at most 11 significant bits) and scale = RN(max(amax, floor) / 448)
+  with amax = max|x| of the row (or inf / NaN).
+
+  Instead of one ``div.rn.f32`` a value (a called subroutine on the GPU: 0.48 of a
+  one-token write's 1.71 us on the H200, `benchmarks/diag_pth_set.py`), one correctly
+  rounded reciprocal a row (``rcp.rn.f32``, `row_layout`) and per value a multiply and two
+  fmas (Markstein's correction)::
+
+      r = rcp.rn(s); q0 = mul.rn(x, r); e = fma.rn(-q0, min(s, FLT_MAX), x)
+      q = e == 0 ? q0 : fma.rn(e, r, q0)
+
+  This equals the IEEE quotient for every pair of a bf16/f16 significand and a scale of
+  that form (tests/test_reference_rounding.py runs the same sequence exhaustively: 8.4M
+  pairs for f16, 130K for bf16; a power-of-two shift of either changes nothing above
+  float32's subnormal range, and quotients below it become fp8 zeros either way). The
+  ``e == 0`` select keeps -0 / s = -0; ``min(s, FLT_MAX)`` gives x / inf = 0 (and inf / inf
+  = NaN); NaN propagates. Rows with s < 2^-69 (amax below ~2^-60) are first scaled by 2^64,
+  x and s alike (exact): there the residual would be subnormal (the emulation found 40K
+  wrong fp8-relevant quotients without it, none with it). Interpret mode: `exact.divide`,
+  the IEEE quotient.
+  """
+  if interpret:
+    return exact.divide(x, scale[:, None])
+  from jax.experimental.mosaic import gpu as mgpu
+  lift = mgpu.FragmentedArray._lift_fast_instr
+
+  @plgpu.inline_mgpu(arg_types=(row_layout,),
+                     return_type=plgpu.ShapeDtypeStruct(scale.shape, F32, layout=row_layout))
+  def reciprocal(_, s):
+    return s._pointwise(lift("rcp.rn.f32"))
+
+  # Rows of tiny values: the residual e (~2^-24 |x|) would fall below float32's normal
+  # range and lose bits; x and s scaled by 2^64 (exact) keep every step normal.
+  lift_rows = jnp.where(scale < TINY_SCALE, np.float32(2.0 ** 64), np.float32(1.0))
+  scale = scale * lift_rows
+  x = x * jnp.broadcast_to(lift_rows[:, None], x.shape)
+  r = reciprocal(scale)
+  s_b = jnp.broadcast_to(jnp.minimum(scale, np.float32(np.finfo(np.float32).max))[:, None],
+                         x.shape)
+  r_b = jnp.broadcast_to(r[:, None], x.shape)
+
+  @plgpu.inline_mgpu(arg_types=(layout, layout, layout),
+                     return_type=plgpu.ShapeDtypeStruct(x.shape, F32, layout=layout))
+  def quotient(_, a, s, r):
+    q0 = a._pointwise(lift("mul.rn.f32"), r)
+    neg_q0 = q0._pointwise(lift("neg.f32"))
+    e = neg_q0._pointwise(lift("fma.rn.f32"), s, a)
+    q1 = e._pointwise(lift("fma.rn.f32"), r, q0)
+    return e._pointwise(lift(_select_if_zero), q1, q0)
+
+  return quotient(x, s_b, r_b)
+
+
+def _select_if_zero(e, q1, q0):
+  """(e == 0 ? q0 : q1) on float32 MLIR scalars."""
+  from jax._src.lib.mlir.dialects import arith
+  zero = arith.constant(e.type, 0.0)
+  return arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, e, zero), q0, q1)
 
 
 def multiply(x: jax.Array, per_row: jax.Array, interpret: bool) -> jax.Array:

@@ -350,7 +350,7 @@ def _build(interpret, *, T, H, Hb, B, rows, R, Rr, positions, in_dtypes, out_dty
     q8_sm[...], ro_sm[...], s_sm[...] = quantize_block(
         plgpu.load(kn_sm, layout=ln).astype(F32), plgpu.load(rot_sm, layout=lr),
         ln=ln, lr=lr, rope_dtype=rope_dtype, interpret=interpret, sanitize_limits=limits,
-        valid_rows=B)
+        valid_rows=B, x_dtype=kn_dtype)
     plgpu.commit_smem()
     store_rows(rs, rows, [(q8_sm, qb_ref), (ro_sm, rb_ref)], [(s_sm, sb_ref)])
 

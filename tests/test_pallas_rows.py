@@ -646,6 +646,34 @@ def test_gpu_per_token_head(T, model):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float16])
+def test_gpu_per_token_head_rows_at_every_magnitude(in_dtype):
+  """bf16/f16 nope quotients come from a reciprocal and a correction
+  (`common.scale_divide`), not a division: the fp8 bytes must still be those of IEEE
+  division for rows of every magnitude, tiny rows (amax down to bf16 subnormals, below the
+  1e-26 floor, where the kernel lifts the row by 2^64) and signed zeros included."""
+  rng = np.random.default_rng(11)
+  T, R, Rr, rows = 4096, 512, 64, 8192
+  lowest = -140 if in_dtype == jnp.bfloat16 else -26
+  exps = np.linspace(lowest, 14, T).round()
+  nope = rng.standard_normal((T, 1, R)) * 2.0 ** exps[:, None, None]
+  nope *= 2.0 ** rng.integers(-20, 1, (T, 1, R))            # spread within the row
+  nope[::7, 0, ::5] = -0.0
+  rope = rng.standard_normal((T, 1, Rr)) * 2.0 ** exps[:, None, None]
+  nope, rope = nope.astype(in_dtype), rope.astype(in_dtype)
+  bufs = (np.zeros((rows, 1, R), E4M3), np.zeros((rows, 1, 1), F32),
+          np.zeros((rows, 1, Rr), in_dtype))
+  loc = np.arange(T, dtype=np.int32)
+  q, s, r = (np.asarray(a)[:T] for a in jax.jit(pk.set_rows_per_token_head)(
+      *map(jnp.asarray, bufs), jnp.asarray(loc), jnp.asarray(nope), jnp.asarray(rope)))
+  with np.errstate(all="ignore"):
+    wq, ws, wr = np_quantize(nope, rope, in_dtype)
+  assert_same(s, ws)
+  assert_same(q, wq)
+  assert_same(r, wr)
+
+
+@pytest.mark.gpu
 def test_gpu_per_token_head_matches_torch_seed():
   """The seed's own PyTorch expressions on the same inputs give the same bytes (SPEC §3)."""
   torch = pytest.importorskip("torch")

@@ -1,0 +1,83 @@
+"""Where the per_token_head set's time goes (one device call): the shipped kernel against
+variants with parts of SPEC §3's quantization replaced, at the bench's T values. Timing
+only: the variants' results are not the library's.
+
+* base     -- the shipped kernel;
+* recip    -- every ``x / scale`` as ``x * (1 / scale)`` (no per-element ``div.rn.f32``);
+* no_quant -- no amax reduction, no division: the f32 values cast straight to fp8 / rope
+              dtype, scale 1 (what remains is loads, casts, stores);
+* bf16 set -- the plain set of the same tokens, for the ratio.
+
+    PYTHONPATH=$PWD python3 benchmarks/diag_pth_set.py [--tokens 1,64,512,4096]
+"""
+
+import argparse
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_mla_cache as mc
+from jax_mla_cache import bench
+from pallas_kernels import common, rows
+
+_true_divide = common.true_divide
+_quantize_block = rows.quantize_block
+
+
+def _recip_divide(x, per_row, interpret, layout=None):
+  del interpret, layout
+  return x * jnp.broadcast_to((1.0 / per_row)[:, None], x.shape)
+
+
+def _no_quant(x, y, *, ln, lr, rope_dtype, interpret, sanitize_limits=None, valid_rows=None):
+  del ln, lr, interpret, sanitize_limits, valid_rows
+  return (common.cast_from_f32(x, rows.FP8_E4M3), common.cast_from_f32(y, rope_dtype),
+          jnp.ones(x.shape[:1], jnp.float32) * x[:, 0])
+
+
+@contextlib.contextmanager
+def variant(name):
+  try:
+    if name == "recip":
+      common.true_divide = _recip_divide
+    elif name == "no_quant":
+      rows.quantize_block = _no_quant
+    yield
+  finally:
+    common.true_divide = _true_divide
+    rows.quantize_block = _quantize_block
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--tokens", default="1,64,512,4096")
+  parser.add_argument("--iters", type=int, default=10)
+  args = parser.parse_args()
+  cfg = mc.DEEPSEEK_V3.replace(layer_num=1)
+  qcfg = cfg.replace(dtype=jnp.float8_e4m3fn, quant_method="per_token_head")
+  rng = np.random.default_rng(0)
+  for T in map(int, args.tokens.split(",")):
+    loc = jnp.asarray(rng.permutation(cfg.rows)[:T].astype(np.int32))
+    nope = jnp.asarray(rng.standard_normal((T, 1, 512)), jnp.bfloat16)
+    rope = jnp.asarray(rng.standard_normal((T, 1, 64)), jnp.bfloat16)
+    f = jax.jit(lambda s, l, n, r: mc.set_mla_kv_buffer(s, 0, l, n, r), donate_argnums=0)
+    us, *_ = bench.time_per_call(lambda st: (f(*st), *st[1:]),
+                                 (mc.init_cache(cfg), loc, nope, rope), args.iters)
+    print(f"T={T:5d} bf16 set  {us:7.2f} us", flush=True)
+    for name in ("base", "recip", "no_quant"):
+      config = dataclasses.replace(rows.tuned_config("set_per_token_head", T),
+                                   kernel_tag="_" + name)
+      with variant(name):
+        g = jax.jit(lambda b, l, n, r, config=config: rows.set_rows_per_token_head(
+            *b, l, n, r, config=config), donate_argnums=0)
+        bufs = tuple(jax.tree.leaves(mc.init_cache(qcfg)))   # (nope, scale, rope) of layer 0
+        us, *_ = bench.time_per_call(lambda st: (g(*st), *st[1:]), (bufs, loc, nope, rope),
+                                     args.iters)
+      print(f"T={T:5d} pth {name:8s} {us:7.2f} us", flush=True)
+
+
+if __name__ == "__main__":
+  main()
