@@ -77,6 +77,12 @@ VARIANTS = {
         ("r28", _r(NEW, max_reg_block_tokens=28), "B=28 at 32768, 12 at 4096"),
         ("r20t132", _r(NEW, max_reg_block_tokens=20, target_programs=132),
          "B=20 at 4096 (205 programs)"),
+        # Added 2026-12-04c, after the nope division became a reciprocal + correction
+        # (less compute per row: smaller blocks may now hide the load-compute-store chain
+        # better, or larger ones amortize it):
+        ("r1", _r(NEW, max_reg_block_tokens=1), "B=1: 4096 programs at 4096, padding rows"),
+        ("r2", _r(NEW, max_reg_block_tokens=2), "B=2: 2048 programs at 4096"),
+        ("r8", _r(NEW, max_reg_block_tokens=8), "B=8 at 4096: ~3.2us"),
     ],
 }
 TITLES = {"set": "set_mla bf16 (set_rows)", "get": "get_mla bf16 (get_rows)",
