@@ -202,6 +202,30 @@ def test_kernel_shape_limits_are_named():
                                              kv_lora_rank=512)
 
 
+@pytest.mark.parametrize("rows_last", [False, True])
+@pytest.mark.parametrize("S", [2, 3, 8, 9])   # unrolled up to UNROLLED_SPLITS, reduced above
+def test_combine_merges_splits_by_lse(rows_last, S, rng):
+  B, Q, R = 3, 5, 7
+  out = rng.standard_normal((B, S, R, Q) if rows_last else (B, S, Q, R)).astype(np.float32)
+  lse = (rng.standard_normal((B, S, Q)) * 5).astype(np.float32)
+  lse[0] = -np.inf                  # a sequence no split saw anything of
+  lse[1, 0] = -np.inf               # one empty split
+  got_out, got_lse = kernel.combine(jnp.asarray(out), jnp.asarray(lse), jnp.float32,
+                                    rows_last=rows_last)
+  o = out.astype(np.float64)
+  o = o.swapaxes(2, 3) if rows_last else o
+  m = lse.astype(np.float64).max(axis=1, keepdims=True)
+  m = np.where(np.isneginf(m), 0.0, m)
+  w = np.exp(lse - m)
+  den = w.sum(axis=1)
+  safe = np.where(den > 0, den, 1.0)
+  want_out = np.where(den[..., None] > 0, (w[..., None] * o).sum(axis=1) / safe[..., None], 0.0)
+  want_lse = np.where(den > 0, np.log(safe) + m[:, 0], -np.inf)
+  np.testing.assert_allclose(np.asarray(got_out), want_out, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(got_lse), want_lse, rtol=1e-6)
+  assert np.isneginf(np.asarray(got_lse)[0]).all() and not np.asarray(got_out)[0].any()
+
+
 def test_split_count():
   assert kernel.split_count(64, 1, 64, 132) == 2
   assert kernel.split_count(128, 1, 64, 132) == 1
