@@ -660,7 +660,8 @@ def test_gpu_per_token_head_rows_at_every_magnitude(in_dtype):
   nope *= 2.0 ** rng.integers(-20, 1, (T, 1, R))            # spread within the row
   nope[::7, 0, ::5] = -0.0
   rope = rng.standard_normal((T, 1, Rr)) * 2.0 ** exps[:, None, None]
-  nope, rope = nope.astype(in_dtype), rope.astype(in_dtype)
+  with np.errstate(over="ignore"):   # f16 rows past 65504 become inf (scale inf), as meant
+    nope, rope = nope.astype(in_dtype), rope.astype(in_dtype)
   bufs = (np.zeros((rows, 1, R), E4M3), np.zeros((rows, 1, 1), F32),
           np.zeros((rows, 1, Rr), in_dtype))
   loc = np.arange(T, dtype=np.int32)
