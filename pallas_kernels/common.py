@@ -152,12 +152,12 @@ def scale_divide(x: jax.Array, scale: jax.Array, interpret: bool, layout, row_la
   if interpret:
     return exact.divide(x, scale[:, None])
   from jax.experimental.mosaic import gpu as mgpu
-  lift = mgpu.FragmentedArray._lift_fast_instr
+  instr = mgpu.FragmentedArray._lift_fast_instr
 
   @plgpu.inline_mgpu(arg_types=(row_layout,),
                      return_type=plgpu.ShapeDtypeStruct(scale.shape, F32, layout=row_layout))
   def reciprocal(_, s):
-    return s._pointwise(lift("rcp.rn.f32"))
+    return s._pointwise(instr("rcp.rn.f32"))
 
   # Rows of tiny values: the residual e (~2^-24 |x|) would fall below float32's normal
   # range and lose bits; x and s scaled by 2^64 (exact) keep every step normal.
@@ -172,11 +172,11 @@ def scale_divide(x: jax.Array, scale: jax.Array, interpret: bool, layout, row_la
   @plgpu.inline_mgpu(arg_types=(layout, layout, layout),
                      return_type=plgpu.ShapeDtypeStruct(x.shape, F32, layout=layout))
   def quotient(_, a, s, r):
-    q0 = a._pointwise(lift("mul.rn.f32"), r)
-    neg_q0 = q0._pointwise(lift("neg.f32"))
-    e = neg_q0._pointwise(lift("fma.rn.f32"), s, a)
-    q1 = e._pointwise(lift("fma.rn.f32"), r, q0)
-    return e._pointwise(lift(_select_if_zero), q1, q0)
+    q0 = a._pointwise(instr("mul.rn.f32"), r)
+    neg_q0 = q0._pointwise(instr("neg.f32"))
+    e = neg_q0._pointwise(instr("fma.rn.f32"), s, a)
+    q1 = e._pointwise(instr("fma.rn.f32"), r, q0)
+    return e._pointwise(instr(_select_if_zero), q1, q0)
 
   return quotient(x, s_b, r_b)
 

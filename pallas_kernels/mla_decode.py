@@ -43,6 +43,7 @@ the page table and two wgmma compute warpgroups; online softmax; flash-decoding 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 
@@ -232,33 +233,30 @@ def combine(out, lse, dtype, *, rows_last: bool = False):
   def per_row(x):   # (B, Q) -> broadcastable against one split's (B, Q, R) / (B, R, Q)
     return x[:, None, :] if rows_last else x[..., None]
 
+  # merged = sum_s w_s out_s / sum_s w_s with w_s = exp(lse_s - max_s lse_s).
   if S <= UNROLLED_SPLITS:
     # The splits unrolled: the max, the weights, their sum and the weighted sum are all
-    # elementwise, so XLA can fuse the merge into one pass over `out` (the reductions over
-    # S of the general form below are separate small kernels, ~1.2 us each on the H200).
+    # elementwise, so XLA fuses the merge into one pass over `out` (reductions over S are
+    # separate small kernels, ~1.2 us each on the H200).
     parts = [lse[:, s] for s in range(S)]
-    m = parts[0]
-    for part in parts[1:]:
-      m = jnp.maximum(m, part)
+    m = functools.reduce(jnp.maximum, parts)
     m = jnp.where(jnp.isneginf(m), 0.0, m)                   # every split empty: weights 0
     weights = [jnp.exp(part - m) for part in parts]
-    den = weights[0]
-    for w in weights[1:]:
-      den = den + w
-    num = per_row(weights[0]) * out[:, 0].astype(F32)
-    for s in range(1, S):
-      num = num + per_row(weights[s]) * out[:, s].astype(F32)
-    has = den > 0
-    merged = num * per_row(jnp.where(has, 1.0 / jnp.where(has, den, 1.0), 0.0))
-    total = jnp.where(has, m + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf)
+    den = functools.reduce(jnp.add, weights)
+    num = functools.reduce(jnp.add, (per_row(w) * out[:, s].astype(F32)
+                                     for s, w in enumerate(weights)))
   else:
-    total = jax.nn.logsumexp(lse, axis=1)                    # -inf where every split is
-    weight = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - jnp.where(
-        jnp.isneginf(total), 0.0, total)[:, None]))
+    m = lse.max(axis=1)
+    m = jnp.where(jnp.isneginf(m), 0.0, m)
+    weights = jnp.exp(lse - m[:, None])
+    den = weights.sum(axis=1)
     # A float32 multiply + reduce rather than an einsum, which XLA may lower to a dot at its
     # default (not full float32) precision.
-    weight = weight[:, :, None, :] if rows_last else weight[..., None]
-    merged = (weight * out.astype(F32)).sum(axis=1)
+    split_rows = weights[:, :, None, :] if rows_last else weights[..., None]
+    num = (split_rows * out.astype(F32)).sum(axis=1)
+  has = den > 0
+  merged = num * per_row(jnp.where(has, 1.0 / jnp.where(has, den, 1.0), 0.0))
+  total = jnp.where(has, m + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf)
   if rows_last:
     merged = merged.swapaxes(1, 2)
   return merged.astype(dtype), total
