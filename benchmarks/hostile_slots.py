@@ -1,6 +1,6 @@
 """Every Pallas kernel with hostile slots (negative, >= rows, duplicates), for
 `compute-sanitizer --tool memcheck`: it must report 0 errors (`--decode-only`: mla_decode
-only; `--rope-only`: rope_set only). Also checks results against the numpy model of the
+only; `--wide-only`: its wide path alone; `--rope-only`: rope_set only). Also checks results against the numpy model of the
 seed (rows written once) so a silent out-of-bounds write shows up as a mismatch."""
 
 import os
@@ -20,11 +20,16 @@ def main() -> int:
   failures = 0
   rng = np.random.default_rng(3)
   decode_only = "--decode-only" in sys.argv[1:]
+  wide_only = "--wide-only" in sys.argv[1:]     # mla_decode at 128 query rows alone
   rope_only = "--rope-only" in sys.argv[1:]
   for cfg in (mc.DEEPSEEK_V3.replace(size=8192 - 64, layer_num=3),
               mc.DEEPSEEK_V3_FP8.replace(size=8192 - 64, layer_num=3)):
+    if wide_only:
+      failures += hostile_decode(cfg, rng, 2, H=64)
+      continue
     if decode_only:
       failures += sum(hostile_decode(cfg, rng, s_q) for s_q in (1, 2))
+      failures += hostile_decode(cfg, rng, 2, H=64)
       continue
     failures += sum(hostile_rope_set(cfg, rng, T) for T in (1, 3, 300))
     if rope_only:
@@ -121,10 +126,11 @@ def hostile_rope_set(cfg, rng, T: int) -> int:
   return int(not ok)
 
 
-def hostile_decode(cfg, rng, s_q: int) -> int:
+def hostile_decode(cfg, rng, s_q: int, H: int = 16) -> int:
   """mla_decode with page ids outside the buffer (both signs, huge), zero, negative and
-  huge lengths, 16 heads (s_q = 1 and 2 take different kernel paths): the kernel must read
-  nothing outside the layer and equal XLA."""
+  huge lengths, H heads (16 heads at s_q = 1 and 2 take the converter / narrow paths; 64
+  heads at s_q = 2, two 64-row M tiles, the wide path): the kernel must read nothing
+  outside the layer and equal XLA."""
   cache = mc.set_mla_kv_buffer(
       mc.init_cache(cfg), 0, jnp.arange(cfg.rows),
       jnp.asarray(rng.standard_normal((cfg.rows, 1, 512)), jnp.bfloat16),
@@ -137,7 +143,7 @@ def hostile_decode(cfg, rng, s_q: int) -> int:
   table[3] = npages                               # a sequence of only bad pages
   lens = rng.integers(1, P * cfg.page_size, (B,)).astype(np.int32)
   lens[:3] = (0, -5, 2**31 - 1)
-  q = jnp.asarray(rng.standard_normal((B, s_q, 16, 576)) * 0.1, jnp.bfloat16)
+  q = jnp.asarray(rng.standard_normal((B, s_q, H, 576)) * 0.1, jnp.bfloat16)
   out = {impl: jax.device_get(mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.05,
                                             implementation=impl))
          for impl in ("pallas", "xla")}
@@ -146,7 +152,7 @@ def hostile_decode(cfg, rng, s_q: int) -> int:
   err = np.sqrt(((o_p - o_x) ** 2).sum() / max((o_x ** 2).sum(), 1e-30))
   same_empty = np.array_equal(np.isneginf(l_p), np.isneginf(l_x))
   ok = err < 1e-2 and same_empty and np.all(o_p[np.isneginf(l_x)] == 0)
-  print(f"{cfg.quant_method}: hostile mla_decode s_q={s_q} {'ok' if ok else 'MISMATCH'} "
+  print(f"{cfg.quant_method}: hostile mla_decode s_q={s_q} H={H} {'ok' if ok else 'MISMATCH'} "
         f"(relative RMS {err:.2e}, empty queries agree: {same_empty})", flush=True)
   return int(not ok)
 

@@ -427,11 +427,14 @@ def _kernel_path(cache, q, table, lens, path, sm_scale=0.07):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,page_size,s_q", [("bf16", 16, 2), ("pth", 32, 2), ("bf16", 128, 2),
-                                                ("pth", 128, 2), ("pth", 32, 1), ("pth", 64, 1)])
-def test_gpu_kernel_hostile_page_tables_and_page_sizes(mode, page_size, s_q):
+@pytest.mark.parametrize("mode,page_size,s_q,H", [
+    ("bf16", 16, 2, 16), ("pth", 32, 2, 16), ("bf16", 128, 2, 16), ("pth", 128, 2, 16),
+    ("pth", 32, 1, 16), ("pth", 64, 1, 16),
+    # several 64-row M tiles
+    ("bf16", 16, 2, 64), ("bf16", 64, 2, 128), ("pth", 32, 4, 64), ("pth", 64, 2, 128)])
+def test_gpu_kernel_hostile_page_tables_and_page_sizes(mode, page_size, s_q, H):
   rng = np.random.default_rng(page_size)
-  cache, q, table, lens = _gpu_case(mode, 12, s_q, 16, 3000, page_size, rng, hostile=True)
+  cache, q, table, lens = _gpu_case(mode, 12, s_q, H, 3000, page_size, rng, hostile=True)
   want = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.07, implementation="xla")
   want = tuple(np.asarray(x, np.float64) for x in want)
   for path in _paths_taking(cache, q, table):
