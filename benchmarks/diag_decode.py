@@ -1,7 +1,11 @@
 """The decode kernels' time per storage mode, path and stage count, side by side (device time
 from a profiler trace, as bench.py), default B=64, s_q=1, H=16, context 4096.
 
-    python benchmarks/diag_decode.py [--shape B,s_q,H,ctx] [--only NAME_PREFIX]
+    python benchmarks/diag_decode.py [--shape B,s_q,H,ctx] [--only NAME_PREFIX] [--ablate convert]
+
+--ablate convert: a diagnosis build (wrong results) whose wide-path kernel leaves out the
+per_token_head fp8 -> bf16 conversion of each block (the scores and values then read
+whatever the converted tile holds), timed after the kernels as shipped.
 """
 
 import argparse
@@ -13,6 +17,7 @@ import numpy as np
 import jax_mla_cache as mc
 from jax_mla_cache import bench
 from pallas_kernels import mla_decode as kernel
+from pallas_kernels import mla_decode_wide
 
 
 def main():
@@ -20,6 +25,8 @@ def main():
   parser.add_argument("--shape", default="64,1,16,4096")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--only", default=None, help="run only the variant of this name")
+  parser.add_argument("--ablate", default=None, choices=["convert"],
+                      help="also time a diagnosis build of the wide path without this piece")
   args = parser.parse_args()
   B, s_q, H, ctx = map(int, args.shape.split(","))
   rng = np.random.default_rng(0)
@@ -34,7 +41,13 @@ def main():
   caches = {}
   if args.only:
     variants = [v for v in variants if v[0].startswith(args.only)]
+  if args.ablate:
+    variants += [(f"{name}-no-{args.ablate}", quant, config)
+                 for name, quant, config in variants if config.path == "wide" and quant]
   for name, quant, config in variants:
+    if name.endswith("-no-convert"):
+      mla_decode_wide.convert_fp8 = lambda *a, **k: None   # diagnosis build: wrong results
+      kernel.common._cached_kernel_fn.cache_clear()        # (a kernel is jitted once per build)
     cfg = (base.replace(dtype=jnp.float8_e4m3fn, quant_method="per_token_head") if quant
            else base).replace(size=B * pages * base.page_size)
     if quant not in caches:
