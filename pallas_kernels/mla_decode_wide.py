@@ -10,11 +10,14 @@ Design (FlashAttention-3 style, as jax's ``attention_mgpu``; the absorbed form o
   in tiles of 64 rows (a wgmma's M). Fewer rows are padded by uninitialized shared-memory
   rows: every row of attention is independent of the others, and padding rows' results are
   never stored.
-* Grid (M tiles, splits, B); one program = 3 warpgroups. Warpgroup 2 is the producer: it
-  reads the page table and issues TMA copies of 64-token KV blocks into a ring of
-  ``stages`` shared-memory stages. Warpgroups 0 and 1 each accumulate half of the R output
-  columns (an accumulator of 64 x R/2 float32: 128 registers a thread for R = 512), so the
-  KV block in shared memory serves both halves of V with no copy.
+* Grid (M tiles, splits, B); one program = 2 warpgroups, which each accumulate half of the
+  R output columns (an accumulator of 64 x R/2 float32: 128 registers a thread for
+  R = 512), so the KV block in shared memory serves both halves of V with no copy.
+  Warpgroup 0 also follows the page table and issues the TMA copies of 64-token KV blocks
+  into a ring of ``stages`` shared-memory stages: it refills a stage as soon as both have
+  released it. No producer warpgroup (as FlashMLA): with three warpgroups a launch allows
+  ptxas at most 168 registers a thread, whatever ``setmaxnreg`` raises them to later, and
+  the compute warpgroups spilled (84 bytes bf16, 628 bytes per_token_head).
 * Scores: warpgroup w computes those of the block's tokens [32 w, 32 w + 32) (64 x 32,
   K = R + Rr), so the score product is computed once, not by both warpgroups. The halves
   meet in shared memory twice a block: (1) each half's row maxima (the block's max is the
@@ -52,7 +55,7 @@ from pallas_kernels import common
 from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import (BLOCK_KV, LN2, DecodeConfig, Geometry,
                                        combine, num_sms, split_count)
-from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, kv_producer, kv_scratch,
+from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, copy_block, kv_scratch,
                                              masked_positions, page_table, program_blocks,
                                              prologue)
 
@@ -114,10 +117,29 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
       plgpu.barrier_arrive(sync_bar)
       plgpu.barrier_wait(sync_bar)
 
-    @pl.when(wg < 2)
+    def load(i):
+      """Warpgroup 0 issues the copies of the program's block i into stage i % stages."""
+      slot = lax.rem(i, stages)
+      copy_block(pt_ref, b, first + i, tuple((src, dst, (slot,)) for src, dst in zip(planes, ring)),
+                 kv_bar.at[slot], page_size=page_size, P=P)
+
+    def refill(i):
+      """After step i released its stage: warpgroup 0 loads block i + stages into it once
+      both warpgroups have (or, past the last block, just observes the release, so that
+      every barrier phase is consumed when the program ends)."""
+      @pl.when(wg == 0)
+      def _():
+        plgpu.barrier_wait(free_bar.at[lax.rem(i, stages)])
+
+        @pl.when(i + stages < n_steps)
+        def _():
+          load(i + stages)
+
     def _compute():
-      if not interpret:
-        plgpu.set_max_registers(232, action="increase")
+      @pl.when(wg == 0)
+      def _():
+        for j in range(stages):
+          pl.when(j < n_steps)(functools.partial(load, j))
 
       @pl.when(wg == 0)
       def _():
@@ -172,6 +194,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
           s = s * col_scale
           # The raw planes are consumed (converted, this half's rope scored, scales loaded).
           plgpu.barrier_arrive(free_bar.at[slot])
+          refill(i)
         s = jnp.where(pos <= limit, s * score_scale, -jnp.inf)
         # Exchange 1: the block's row max is the larger of the two halves'.
         mine = s.max(axis=1)
@@ -193,6 +216,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
         acc = accumulate(acc, p_smem.transpose((1, 0)), values.at[:, col0], interpret)
         if not quantized:
           plgpu.barrier_arrive(free_bar.at[slot])
+          refill(i)
         return acc, m_new, l_i
 
       acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
@@ -225,9 +249,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
                                 lse_ref.at[b, sp, pl.ds(mt * BLOCK_M, tile_rows)])
       plgpu.wait_smem_to_gmem(0)
 
-    kv_producer(wg == 2, planes, ring, kv_bar=kv_bar, free_bar=free_bar, stages=stages,
-                pt_ref=pt_ref, b=b, first=first, n_steps=n_steps, page_size=page_size, P=P,
-                interpret=interpret)
+    _compute()
 
   smem, barriers = kv_scratch(pro, q_rows=BLOCK_M, quantized=quantized, stages=stages, R=R,
                               Rr=Rr, dtype=dtype)
@@ -240,7 +262,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
       scratch_types=smem + barriers,
       grid=(m_tiles, splits, B),
       grid_names=("m", "s", "b"),
-      num_threads=3,
+      num_threads=2,
       thread_name="wg",
       kernel_name="mla_decode_pth" if quantized else "mla_decode",
       # The row reductions stay inside a warp (WGMMA layout): no cross-warp scratch, whose
