@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, memcheck with hostile slots, diagnostics, benchmark.
 # Usage (device tool): bash benchmarks/gpu_session.sh
-#   [tests|decode|decode_bench|diag_decode|demo|deepseek|moves|rope|rope_bench|sanitize|diag|
+#   [tests|decode|decode_bench|diag_decode|regs|demo|deepseek|moves|rope|rope_bench|sanitize|diag|
 #    diag_rows|diag_moves|ptx|bench|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
 #
 # Budget notes (H200, jax 0.11.2; 30 min of device time a session, a cold start ~1-1.5 min):
@@ -27,8 +27,21 @@ if want decode; then  # mla_decode kernel vs the XLA reference
 fi
 if want diag_decode; then  # per_token_head decode kernel variants + its SASS
   timeout 150 python3 benchmarks/diag_decode.py ${DIAG_DECODE_ARGS:-} 2>&1 | tee "$OUT/diag_decode.log"
+  mkdir -p "$OUT/sass"   # (the dump goes only into an existing folder)
   MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO="$OUT/sass" timeout 60 python3 benchmarks/diag_decode.py \
     --only pth --iters 1 > /dev/null 2>&1; ls "$OUT/sass" | head
+fi
+if want regs; then  # ptxas registers and spills of every decode kernel path (small shapes)
+  # A launch of 3+ warpgroups caps ptxas at 65536 / threads registers (168 for 384), whatever
+  # setmaxnreg asks later: spills show up here (logs/2026-12-04d_ptxas_registers.log).
+  for v in "2,1,16,256 pth-converter-s2" "2,2,16,256 pth-narrow-s2" "2,2,16,256 bf16-narrow-s2" \
+           "2,2,64,256 pth-wide-s2" "2,2,64,256 bf16-wide-s2"; do
+    set -- $v; d=$(mktemp -d)
+    MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=$d timeout 60 python3 benchmarks/diag_decode.py \
+      --shape $1 --only $2 --iters 1 > /dev/null 2>&1
+    echo "$2 ($1): $(grep -h 'Used\|spill stores' $d/*.ptxas 2>/dev/null | sed 's/ptxas info *: //' | tr -s ' \n' ' ')"
+    rm -rf "$d"
+  done | tee "$OUT/ptxas_registers.log"
 fi
 if want demo; then  # the 61-layer demo, cold (empty compilation cache) and again warm
   export JAX_COMPILATION_CACHE_DIR=$(mktemp -d)
