@@ -1,7 +1,8 @@
 """Every Pallas kernel with hostile slots (negative, >= rows, duplicates), for
 `compute-sanitizer --tool memcheck`: it must report 0 errors (`--decode-only`: mla_decode
-only; `--wide-only`: its wide path alone; `--rope-only`: rope_set only). Also checks results against the numpy model of the
-seed (rows written once) so a silent out-of-bounds write shows up as a mismatch."""
+only; `--wide-only`: its wide path alone; `--rope-only`: rope_set only). Also checks
+results against the numpy model of the seed (rows written once) so a silent out-of-bounds
+write shows up as a mismatch."""
 
 import os
 import sys

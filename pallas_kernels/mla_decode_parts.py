@@ -273,13 +273,23 @@ def kv_producer(active, gmem, smem, *, kv_bar, free_bar, stages: int, pt_ref, b,
   def _producer():
     if not interpret:
       plgpu.set_max_registers(40, action="decrease")
+    produce(n_steps, stages, free_bar, block_loader(
+        gmem, smem, kv_bar=kv_bar, stages=stages, pt_ref=pt_ref, b=b, first=first,
+        page_size=page_size, P=P))
 
-    def load(i):
-      slot = lax.rem(i, stages)
-      planes = tuple((src, dst, (slot,)) for src, dst in zip(gmem, smem))
-      copy_block(pt_ref, b, first + i, planes, kv_bar.at[slot], page_size=page_size, P=P)
 
-    produce(n_steps, stages, free_bar, load)
+def block_loader(gmem, smem, *, kv_bar, stages: int, pt_ref, b, first, page_size: int,
+                 P: int) -> Callable[[jax.Array], None]:
+  """``load(i)``: the TMA copies of the program's block i (block first + i of sequence b),
+  each plane of `gmem` (the layer's buffers: (kv,) or (nope, rope, scale)) into stage
+  i % stages of the ring `smem` (one (stages, BLOCK_KV, ...) ref per plane), signalled on
+  ``kv_bar.at[slot]``."""
+  def load(i):
+    slot = lax.rem(i, stages)
+    planes = tuple((src, dst, (slot,)) for src, dst in zip(gmem, smem))
+    copy_block(pt_ref, b, first + i, planes, kv_bar.at[slot], page_size=page_size, P=P)
+
+  return load
 
 
 def store_lse(m_smem, l_smem, staging, dst, layout) -> None:

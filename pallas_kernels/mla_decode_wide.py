@@ -26,7 +26,7 @@ Design (FlashAttention-3 style, as jax's ``attention_mgpu``; the absorbed form o
   the A operand of P V. Each warpgroup keeps the running sum of its own tokens' weights (the
   rescaling factors are the same in both); the two are added once at the end.
 * Splits: each writes its partial output (q.dtype) and lse; `mla_decode.combine` merges.
-* per_token_head: the producer loads the fp8 nope plane, the rope plane and the scales;
+* per_token_head: the ring holds the fp8 nope plane, the rope plane and the scales;
   each compute warpgroup converts its half of the nope columns (the columns it later reads
   as values) to q.dtype in a shared tile (exact: e4m3 fits bf16/f16), then both score their
   tokens from it (q_nope . nope^T + q_rope . rope^T in two wgmmas), scores multiplied by the
@@ -55,9 +55,9 @@ from pallas_kernels import common
 from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import (BLOCK_KV, LN2, DecodeConfig, Geometry,
                                        combine, num_sms, split_count)
-from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, copy_block, kv_scratch,
-                                             masked_positions, page_table, program_blocks,
-                                             prologue)
+from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, block_loader, convert_fp8,
+                                             kv_scratch, masked_positions, page_table,
+                                             program_blocks, prologue)
 
 BLOCK_M = 64        # query rows per tile (a wgmma's M)
 HALF_KV = BLOCK_KV // 2
@@ -117,11 +117,8 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
       plgpu.barrier_arrive(sync_bar)
       plgpu.barrier_wait(sync_bar)
 
-    def load(i):
-      """Warpgroup 0 issues the copies of the program's block i into stage i % stages."""
-      slot = lax.rem(i, stages)
-      copy_block(pt_ref, b, first + i, tuple((src, dst, (slot,)) for src, dst in zip(planes, ring)),
-                 kv_bar.at[slot], page_size=page_size, P=P)
+    load = block_loader(planes, ring, kv_bar=kv_bar, stages=stages, pt_ref=pt_ref, b=b,
+                        first=first, page_size=page_size, P=P)   # (issued by warpgroup 0)
 
     def refill(i):
       """After step i released its stage: warpgroup 0 loads block i + stages into it once
@@ -234,8 +231,8 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
 
       @pl.when(wg == 0)
       def _():
-        row_smem.at[0][...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2,
-                                  -jnp.inf)
+        row_smem.at[0][...] = jnp.where(
+            has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2, -jnp.inf)
       plgpu.commit_smem()
       # One copy per 8-row tile row: a column half of a tiled tile is contiguous only
       # within its tile row.
