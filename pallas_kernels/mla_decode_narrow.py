@@ -12,10 +12,12 @@ transposed so that the few query rows are the N dimension (8..256 in a wgmma):
 
 Per KV block that is 2*64*N*(R+Rr) + 2*R*64*N flops: 2.2 MFLOP at N=16 instead of 13.6.
 
-Program = (split, sequence), 3 warpgroups:
+Program = (split, sequence), 2 warpgroups (no producer warpgroup: with three, a launch caps
+ptxas at 168 registers a thread and this kernel spilled, 324 bytes per_token_head):
 
-* warpgroup 2, the producer: follows the page table with TMA copies of 64-token blocks into
-  a ring of ``stages`` shared-memory stages (as the wide path);
+* warpgroup 1 follows the page table with TMA copies of 64-token blocks into a ring of
+  ``stages`` shared-memory stages, refilling a stage once both have released it
+  (`mla_decode_parts.ring_loader`);
 * warpgroup 0 computes S^T, the online softmax along the tokens (a reduction across its
   4 warps, through shared memory: only this warpgroup reduces, so the compiler's single
   reduction scratch area is not shared), writes P^T's transpose P (N x 64) and the
@@ -45,10 +47,10 @@ from pallas_kernels import common
 from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import (BLOCK_KV, DecodeConfig, Geometry, combine,
                                        num_sms, split_count)
-from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, kv_producer,
-                                             kv_scratch, masked_positions, online_softmax,
-                                             page_table, program_blocks, prologue, publish_weights,
-                                             store_lse)
+from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, kv_scratch,
+                                             masked_positions, online_softmax, page_table,
+                                             program_blocks, prologue, publish_weights,
+                                             ring_loader, store_lse)
 
 MAX_ROWS = 32       # query rows (s_q x H) this path takes
 SMEM_LIMIT = 227 * 1024
@@ -137,10 +139,12 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
       values = (key_tile.at[:, col0] if quantized else kv_smem.at[slot, :, col0])
       return accumulate(acc, values.transpose((1, 0)), p_smem.transpose((1, 0)), interpret)
 
-    @pl.when(wg < 2)
+    ring_io = ring_loader(wg == 1, planes, ring, kv_bar=kv_bar, free_bar=free_bar,
+                          stages=stages, pt_ref=pt_ref, b=b, first=first, n_steps=n_steps,
+                          page_size=page_size, P=P)
+
     def _compute():
-      if not interpret:
-        plgpu.set_max_registers(232, action="increase")
+      ring_io.start()
 
       @pl.when(wg == 0)
       def _():
@@ -205,6 +209,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
           @pl.when(wg == 1)
           def _():
             plgpu.barrier_arrive(free_bar.at[slot])
+          ring_io.refill(i)     # (warpgroup 1, once warpgroup 0's scores released it too)
 
         @pl.when(wg == 0)
         def _():
@@ -222,6 +227,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
           plgpu.barrier_arrive(p_free)
         if not quantized:
           plgpu.barrier_arrive(free_bar.at[slot])
+          ring_io.refill(i)
         return acc
 
       @pl.when(wg == 0)
@@ -241,9 +247,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
       plgpu.copy_smem_to_gmem(o_smem.at[col0], out_ref.at[b, sp, col0])
       plgpu.wait_smem_to_gmem(0)
 
-    kv_producer(wg == 2, planes, ring, kv_bar=kv_bar, free_bar=free_bar, stages=stages,
-                pt_ref=pt_ref, b=b, first=first, n_steps=n_steps, page_size=page_size, P=P,
-                interpret=interpret)
+    _compute()
 
   smem, barriers = kv_scratch(pro, q_rows=N, quantized=quantized, stages=stages, R=R, Rr=Rr,
                               dtype=dtype)
@@ -265,7 +269,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
       scratch_types=smem + barriers,
       grid=(splits, B),
       grid_names=("s", "b"),
-      num_threads=3,
+      num_threads=2,
       thread_name="wg",
       kernel_name="mla_decode_narrow_pth" if quantized else "mla_decode_narrow",
       compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -5,6 +5,7 @@ Each runs inside a Mosaic GPU kernel body (traced once per program); none alloca
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -48,7 +49,7 @@ def prologue(dtype, page_size: int, sm_scale: float) -> Prologue:
 
 
 def kv_ring(pro: Prologue, *, quantized: bool, stages: int, R: int, Rr: int, dtype) -> list:
-  """Shared-memory types of the KV ring that `kv_producer` fills: ``stages`` blocks of
+  """Shared-memory types of the KV ring that `ring_loader` fills: ``stages`` blocks of
   BLOCK_KV whole rows, or for per_token_head the fp8 nope plane, the rope plane and the
   scales of ``stages`` blocks plus one bf16/f16 tile the fp8 block is converted into
   (transforms from the kernel's `Prologue`)."""
@@ -263,19 +264,41 @@ def convert_tile_kernel(cols: int, *, layout=plgpu.Layout.WGMMA_UPCAST_2X, repea
       interpret=common.interpret_params() if interpret else None)
 
 
-def kv_producer(active, gmem, smem, *, kv_bar, free_bar, stages: int, pt_ref, b, first,
-                n_steps, page_size: int, P: int, interpret: bool) -> None:
-  """The producer warpgroup of the narrow and wide paths (where `active`, e.g. wg == 2):
-  blocks first, first + 1, ... of the program, each plane of `gmem` (the layer's buffers:
-  (kv,) or (nope, rope, scale)) into the ring `smem` (one (stages, BLOCK_KV, ...) ref per
-  plane), stage i % stages signalled on ``kv_bar.at[slot]``."""
-  @pl.when(active)
-  def _producer():
-    if not interpret:
-      plgpu.set_max_registers(40, action="decrease")
-    produce(n_steps, stages, free_bar, block_loader(
-        gmem, smem, kv_bar=kv_bar, stages=stages, pt_ref=pt_ref, b=b, first=first,
-        page_size=page_size, P=P))
+class RingLoader(NamedTuple):
+  """The KV ring filled by a compute warpgroup (no producer warpgroup: a launch of three
+  warpgroups caps ptxas at 168 registers a thread, and the decode kernels' accumulators
+  spill there; two warpgroups get 255). `start` issues the first ``stages`` blocks; after
+  step i released its stage, `refill(i)` waits for the release and loads block
+  i + stages into it (or, past the last block, only observes the release, so that every
+  barrier phase is consumed when the program ends)."""
+
+  start: Callable[[], None]
+  refill: Callable[[jax.Array], None]
+
+
+def ring_loader(loader, gmem, smem, *, kv_bar, free_bar, stages: int, pt_ref, b, first,
+                n_steps, page_size: int, P: int) -> RingLoader:
+  """The `RingLoader` of the warpgroup where `loader` (e.g. ``wg == 0``) is true: the
+  blocks of `block_loader`, stage i % stages released on ``free_bar.at[slot]``."""
+  load = block_loader(gmem, smem, kv_bar=kv_bar, stages=stages, pt_ref=pt_ref, b=b,
+                      first=first, page_size=page_size, P=P)
+
+  def start():
+    @pl.when(loader)
+    def _():
+      for j in range(stages):
+        pl.when(j < n_steps)(functools.partial(load, j))
+
+  def refill(i):
+    @pl.when(loader)
+    def _():
+      plgpu.barrier_wait(free_bar.at[lax.rem(i, stages)])
+
+      @pl.when(i + stages < n_steps)
+      def _():
+        load(i + stages)
+
+  return RingLoader(start, refill)
 
 
 def block_loader(gmem, smem, *, kv_bar, stages: int, pt_ref, b, first, page_size: int,

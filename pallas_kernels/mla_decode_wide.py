@@ -55,9 +55,9 @@ from pallas_kernels import common
 from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import (BLOCK_KV, LN2, DecodeConfig, Geometry,
                                        combine, num_sms, split_count)
-from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, block_loader, convert_fp8,
-                                             kv_scratch, masked_positions, page_table,
-                                             program_blocks, prologue)
+from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, kv_scratch,
+                                             masked_positions, page_table, program_blocks,
+                                             prologue, ring_loader)
 
 BLOCK_M = 64        # query rows per tile (a wgmma's M)
 HALF_KV = BLOCK_KV // 2
@@ -117,26 +117,12 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
       plgpu.barrier_arrive(sync_bar)
       plgpu.barrier_wait(sync_bar)
 
-    load = block_loader(planes, ring, kv_bar=kv_bar, stages=stages, pt_ref=pt_ref, b=b,
-                        first=first, page_size=page_size, P=P)   # (issued by warpgroup 0)
-
-    def refill(i):
-      """After step i released its stage: warpgroup 0 loads block i + stages into it once
-      both warpgroups have (or, past the last block, just observes the release, so that
-      every barrier phase is consumed when the program ends)."""
-      @pl.when(wg == 0)
-      def _():
-        plgpu.barrier_wait(free_bar.at[lax.rem(i, stages)])
-
-        @pl.when(i + stages < n_steps)
-        def _():
-          load(i + stages)
+    ring_io = ring_loader(wg == 0, planes, ring, kv_bar=kv_bar, free_bar=free_bar,
+                          stages=stages, pt_ref=pt_ref, b=b, first=first, n_steps=n_steps,
+                          page_size=page_size, P=P)
 
     def _compute():
-      @pl.when(wg == 0)
-      def _():
-        for j in range(stages):
-          pl.when(j < n_steps)(functools.partial(load, j))
+      ring_io.start()
 
       @pl.when(wg == 0)
       def _():
@@ -191,7 +177,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
           s = s * col_scale
           # The raw planes are consumed (converted, this half's rope scored, scales loaded).
           plgpu.barrier_arrive(free_bar.at[slot])
-          refill(i)
+          ring_io.refill(i)
         s = jnp.where(pos <= limit, s * score_scale, -jnp.inf)
         # Exchange 1: the block's row max is the larger of the two halves'.
         mine = s.max(axis=1)
@@ -213,7 +199,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
         acc = accumulate(acc, p_smem.transpose((1, 0)), values.at[:, col0], interpret)
         if not quantized:
           plgpu.barrier_arrive(free_bar.at[slot])
-          refill(i)
+          ring_io.refill(i)
         return acc, m_new, l_i
 
       acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
