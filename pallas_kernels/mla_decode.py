@@ -34,9 +34,9 @@ Three kernel paths, tried in this order (the first that takes the call runs; eac
 3. ``mla_decode_wide`` -- any number of query rows: the query rows are the M dimension in
    tiles of 64 (the compute-bound case: H=128).
 
-All: one program per (M tile, split, sequence) whose TMA copies follow the page table (a
-producer warpgroup; in the wide path, compute warpgroup 0) and two wgmma compute
-warpgroups; online softmax; flash-decoding splits
+All: one program per (M tile, split, sequence) whose TMA copies follow the page table (the
+converter path's two producer warpgroups; compute warpgroup 1 in the narrow path, 0 in the
+wide path) and two wgmma compute warpgroups; online softmax; flash-decoding splits
 (ranges computed on the device from seq_lens) merged here by their lse.
 ``DecodeConfig(path=...)`` forces one path (benchmarks and tests).
 """
