@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, memcheck with hostile slots, diagnostics, benchmark.
 # Usage (device tool): bash benchmarks/gpu_session.sh
-#   [tests|decode|decode_bench|diag_decode|regs|demo|deepseek|moves|rope|rope_bench|sanitize|diag|
+#   [tests|decode|decode_bench|diag_decode|trace|regs|demo|deepseek|moves|rope|rope_bench|sanitize|diag|
 #    diag_rows|diag_moves|ptx|bench|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
 #
 # Budget notes (H200, jax 0.11.2; 30 min of device time a session, a cold start ~1-1.5 min):
@@ -30,6 +30,11 @@ if want diag_decode; then  # per_token_head decode kernel variants + its SASS
   mkdir -p "$OUT/sass"   # (the dump goes only into an existing folder)
   MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO="$OUT/sass" timeout 60 python3 benchmarks/diag_decode.py \
     --only pth --iters 1 > /dev/null 2>&1; ls "$OUT/sass" | head
+fi
+if want trace; then  # in-kernel profile of one decode path (TRACE_ARGS, e.g. --path narrow)
+  mkdir -p "$OUT/trace"
+  timeout ${TRACE_TIMEOUT:-120} python3 benchmarks/trace_decode.py --out "$OUT/trace" \
+    ${TRACE_ARGS:-} 2>&1 | tee -a "$OUT/trace_decode.log"
 fi
 if want regs; then  # ptxas registers and spills of every decode kernel path (small shapes)
   # A launch of 3+ warpgroups caps ptxas at 65536 / threads registers (168 for 384), whatever

@@ -214,6 +214,22 @@ def _div_rn(x: jax.Array, y: jax.Array, layout) -> jax.Array:
   return div(x, y)
 
 
+PROFILE: tuple[int, str] | None = None
+"""None, or (events a warpgroup records, folder): kernels built while it is set (the decode
+kernels, through `compiler_params`) record their named regions (``jax.named_scope`` in the
+kernel body) with Mosaic GPU's in-kernel profiler and write a Perfetto trace per call into
+the folder (benchmarks/trace_decode.py sets it and clears the kernel cache). The record
+buffer takes 16 bytes an event a warpgroup of shared memory; later events are dropped."""
+
+
+def compiler_params(**kwargs) -> plgpu.CompilerParams:
+  """``plgpu.CompilerParams(**kwargs)``, with the in-kernel profiler when `PROFILE` is set."""
+  if PROFILE is not None:
+    space, folder = PROFILE
+    kwargs.update(profile_space=space, profile_dir=folder, profile_bounds_check=True)
+  return plgpu.CompilerParams(**kwargs)
+
+
 def interpret_params() -> plgpu.InterpretGPUParams:
   # Out-of-bounds reads raise (they would be bugs: our kernels never read outside a buffer).
   return plgpu.InterpretGPUParams(out_of_bounds_reads="raise")

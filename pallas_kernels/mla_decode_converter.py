@@ -118,22 +118,27 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       scale stays out: it multiplies the scores and the softmax weights)."""
       j = lax.rem(i, 2)
 
-      @pl.when(i >= 2)
-      def _():
-        plgpu.barrier_wait(tile_free.at[j])     # both halves of block i - 2's values done
-      plgpu.barrier_wait(raw_full.at[j])
-      convert_fp8(raw_smem, tiles, (pl.ds(c * CONVERT_COLS, CONVERT_COLS)
-                                    for c in range(R // CONVERT_COLS)),
-                  dtype, CONVERT_LAYOUT, src_lead=(j,), dst_lead=(j,))
-      plgpu.commit_smem()
+      with jax.named_scope("wait_tile_free"):   # (regions of common.PROFILE's trace)
+        @pl.when(i >= 2)
+        def _():
+          plgpu.barrier_wait(tile_free.at[j])   # both halves of block i - 2's values done
+      with jax.named_scope("wait_raw"):
+        plgpu.barrier_wait(raw_full.at[j])
+      with jax.named_scope("convert"):
+        convert_fp8(raw_smem, tiles, (pl.ds(c * CONVERT_COLS, CONVERT_COLS)
+                                      for c in range(R // CONVERT_COLS)),
+                    dtype, CONVERT_LAYOUT, src_lead=(j,), dst_lead=(j,))
+        plgpu.commit_smem()
       plgpu.barrier_arrive(raw_free.at[j])
       plgpu.barrier_arrive(tile_ready.at[j])
 
     def values_of(i, acc):
       """Warpgroup 1: its half of block i's values, once warpgroup 0 has written P."""
       j = lax.rem(i, 2)
-      plgpu.barrier_wait(p_ready)
-      acc = accumulate_values(acc, j, pl.ds(half, half))
+      with jax.named_scope("wait_p"):
+        plgpu.barrier_wait(p_ready)
+      with jax.named_scope("values"):
+        acc = accumulate_values(acc, j, pl.ds(half, half))
       plgpu.barrier_arrive(tile_free.at[j])
       plgpu.barrier_arrive(p_free)
       return acc
@@ -160,28 +165,35 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
         @pl.loop(0, n_steps, init_carry=acc)
         def acc(i, acc):
           j = lax.rem(i, 2)
-          plgpu.barrier_wait(raw_full.at[j])
+          with jax.named_scope("wait_raw"):
+            plgpu.barrier_wait(raw_full.at[j])
           row_scale = lax.broadcast_in_dim(
               plgpu.load(scale_smem.at[j], layout=row_vec), (BLOCK_KV, N), [0])
           plgpu.barrier_arrive(raw_free.at[j])
-          plgpu.barrier_wait(tile_ready.at[j])
-          plgpu.barrier_wait(rope_full)
+          with jax.named_scope("wait_tile"):
+            plgpu.barrier_wait(tile_ready.at[j])
+          with jax.named_scope("wait_rope"):
+            plgpu.barrier_wait(rope_full)
 
           def scores(s_ref):
             plgpu.wgmma(s_ref, tiles.at[j], q_smem.at[:, pl.ds(0, R)].transpose((1, 0)))
             plgpu.wgmma(s_ref, rope_smem, q_smem.at[:, pl.ds(R, Rr)].transpose((1, 0)))
             return s_ref[...]
 
-          s = pl.run_scoped(scores, plgpu.ACC((BLOCK_KV, N), F32))
+          with jax.named_scope("scores"):
+            s = pl.run_scoped(scores, plgpu.ACC((BLOCK_KV, N), F32))
           plgpu.barrier_arrive(rope_free)
-          pos = masked_positions(tok, first + i, ok_ref, b, page_size=page_size, P=P)
-          s = jnp.where(pos <= limit, s * row_scale * score_scale, -jnp.inf)
-          m_new, alpha, p, l_new = online_softmax(
-              s, plgpu.load(m_smem, layout=col_vec), plgpu.load(l_smem, layout=col_vec), 0)
-          p = p * row_scale
-          publish_weights(i, p, alpha, m_new, l_new, p_smem=p_smem, alpha_smem=alpha_smem,
-                          m_smem=m_smem, l_smem=l_smem, p_free=p_free, p_ready=p_ready)
-          acc = accumulate_values(acc, j, pl.ds(0, half))
+          with jax.named_scope("softmax"):
+            pos = masked_positions(tok, first + i, ok_ref, b, page_size=page_size, P=P)
+            s = jnp.where(pos <= limit, s * row_scale * score_scale, -jnp.inf)
+            m_new, alpha, p, l_new = online_softmax(
+                s, plgpu.load(m_smem, layout=col_vec), plgpu.load(l_smem, layout=col_vec), 0)
+            p = p * row_scale
+          with jax.named_scope("publish"):
+            publish_weights(i, p, alpha, m_new, l_new, p_smem=p_smem, alpha_smem=alpha_smem,
+                            m_smem=m_smem, l_smem=l_smem, p_free=p_free, p_ready=p_ready)
+          with jax.named_scope("values"):
+            acc = accumulate_values(acc, j, pl.ds(0, half))
           plgpu.barrier_arrive(tile_free.at[j])
           return acc
 
@@ -248,8 +260,9 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
 
       def load_raw(i):
         j = lax.rem(i, 2)
-        load(i, nope_ref, raw_smem.at[j], raw_full.at[j])
-        load(i, scale_ref, scale_smem.at[j], raw_full.at[j])
+        with jax.named_scope("load"):
+          load(i, nope_ref, raw_smem.at[j], raw_full.at[j])
+          load(i, scale_ref, scale_smem.at[j], raw_full.at[j])
 
       produce(n_steps, 2, raw_free, load_raw)
 
@@ -260,10 +273,12 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
 
       @pl.loop(0, n_steps)
       def _(i):
-        @pl.when(i >= 1)
-        def _():
-          plgpu.barrier_wait(rope_free)     # block i - 1's scores are done
-        load(i, rope_ref, rope_smem, rope_full)
+        with jax.named_scope("wait_rope_free"):
+          @pl.when(i >= 1)
+          def _():
+            plgpu.barrier_wait(rope_free)   # block i - 1's scores are done
+        with jax.named_scope("load"):
+          load(i, rope_ref, rope_smem, rope_full)
 
       @pl.when(n_steps > 0)
       def _():
@@ -302,6 +317,6 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       num_threads=4,
       thread_name="wg",
       kernel_name="mla_decode_converter",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=common.compiler_params(approx_math=True),
       interpret=common.interpret_params() if interpret else None,
   )

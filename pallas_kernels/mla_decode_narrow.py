@@ -173,7 +173,8 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
             plgpu.wgmma(s_ref, kv_smem.at[slot], q_smem.transpose((1, 0)))
           return s_ref[...]
 
-        s = pl.run_scoped(scores, plgpu.ACC((BLOCK_KV, N), F32))
+        with jax.named_scope("scores"):
+          s = pl.run_scoped(scores, plgpu.ACC((BLOCK_KV, N), F32))
         pos = masked_positions(tok, first + i, ok_ref, b, page_size=page_size, P=P)
         if quantized:
           row_scale = lax.broadcast_in_dim(
@@ -187,40 +188,48 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
           # The raw planes are consumed (nope converted by both warpgroups before this
           # step, rope read by the score product, scales loaded).
           plgpu.barrier_arrive(free_bar.at[slot])
-        publish_weights(i, p, alpha, m_new, l_new, p_smem=p_smem, alpha_smem=alpha_smem,
-                        m_smem=m_smem, l_smem=l_smem, p_free=p_free, p_ready=p_ready)
+        with jax.named_scope("publish"):
+          publish_weights(i, p, alpha, m_new, l_new, p_smem=p_smem, alpha_smem=alpha_smem,
+                          m_smem=m_smem, l_smem=l_smem, p_free=p_free, p_ready=p_ready)
 
       @pl.loop(0, n_steps, init_carry=acc)
       def acc(i, acc):
         slot = lax.rem(i, stages)
-        plgpu.barrier_wait(kv_bar.at[slot])
+        with jax.named_scope("wait_kv"):      # (regions of common.PROFILE's trace)
+          plgpu.barrier_wait(kv_bar.at[slot])
         if quantized:
           # Convert the fp8 nope block exactly to q's dtype in `key_tile` (the scale stays
           # out: it multiplies the scores and the softmax weights). The previous block's
           # products must be done before it is overwritten, and both halves converted
           # before the score product reads it.
-          sync_compute()
-          convert_fp8(kv_smem, key_tile, (pl.ds(wg * half + c * CONVERT_COLS, CONVERT_COLS)
-                                          for c in range(half // CONVERT_COLS)),
-                      dtype, CONVERT_LAYOUT, src_lead=(slot,))
-          plgpu.commit_smem()
-          sync_compute()
+          with jax.named_scope("sync_done"):
+            sync_compute()
+          with jax.named_scope("convert"):
+            convert_fp8(kv_smem, key_tile, (pl.ds(wg * half + c * CONVERT_COLS, CONVERT_COLS)
+                                            for c in range(half // CONVERT_COLS)),
+                        dtype, CONVERT_LAYOUT, src_lead=(slot,))
+            plgpu.commit_smem()
+          with jax.named_scope("sync_converted"):
+            sync_compute()
 
           @pl.when(wg == 1)
           def _():
             plgpu.barrier_arrive(free_bar.at[slot])
           ring_io.refill(i)     # (warpgroup 1, once warpgroup 0's scores released it too)
 
-        @pl.when(wg == 0)
-        def _():
-          softmax(i, slot)
+        with jax.named_scope("softmax"):      # (warpgroup 0: scores, softmax, publish)
+          @pl.when(wg == 0)
+          def _():
+            softmax(i, slot)
 
-        @pl.when(wg == 1)
-        def _():
-          plgpu.barrier_wait(p_ready)
-        alpha = plgpu.load(alpha_smem, layout=col_vec)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-        acc = accumulate_values(acc, slot)
+        with jax.named_scope("wait_p"):
+          @pl.when(wg == 1)
+          def _():
+            plgpu.barrier_wait(p_ready)
+        with jax.named_scope("values"):
+          alpha = plgpu.load(alpha_smem, layout=col_vec)
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+          acc = accumulate_values(acc, slot)
 
         @pl.when(wg == 1)
         def _():
@@ -272,6 +281,6 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
       num_threads=2,
       thread_name="wg",
       kernel_name="mla_decode_narrow_pth" if quantized else "mla_decode_narrow",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=common.compiler_params(approx_math=True),
       interpret=common.interpret_params() if interpret else None,
   )

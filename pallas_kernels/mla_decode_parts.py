@@ -156,9 +156,10 @@ def produce(n_steps, stages: int, free_bar, load: Callable[[jax.Array], None]) -
   def _(i):
     slot = lax.rem(i, stages)
 
-    @pl.when(i >= stages)
-    def _():
-      plgpu.barrier_wait(free_bar.at[slot])
+    with jax.named_scope("wait_free"):   # (a region of common.PROFILE's trace)
+      @pl.when(i >= stages)
+      def _():
+        plgpu.barrier_wait(free_bar.at[slot])
     load(i)
 
   @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
@@ -292,11 +293,13 @@ def ring_loader(loader, gmem, smem, *, kv_bar, free_bar, stages: int, pt_ref, b,
   def refill(i):
     @pl.when(loader)
     def _():
-      plgpu.barrier_wait(free_bar.at[lax.rem(i, stages)])
+      with jax.named_scope("wait_free"):    # (regions of common.PROFILE's trace)
+        plgpu.barrier_wait(free_bar.at[lax.rem(i, stages)])
 
-      @pl.when(i + stages < n_steps)
-      def _():
-        load(i + stages)
+      with jax.named_scope("load"):
+        @pl.when(i + stages < n_steps)
+        def _():
+          load(i + stages)
 
   return RingLoader(start, refill)
 

@@ -147,17 +147,20 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
         acc, m_i, l_i = carry
         slot = lax.rem(i, stages)
         block = first + i
-        plgpu.barrier_wait(kv_bar.at[slot])
+        with jax.named_scope("wait_kv"):     # (regions of common.PROFILE's trace)
+          plgpu.barrier_wait(kv_bar.at[slot])
         if quantized:
           # This warpgroup's half of the nope columns -> key_tile, exactly, in q's dtype
           # (the scale stays out: it multiplies the scores and the softmax weights). The
           # previous block's readers of these columns are done: its score products before
           # the first exchange, this warpgroup's values before this step.
-          convert_fp8(kv_smem, key_tile, (pl.ds(wg * half + c * CONVERT_COLS, CONVERT_COLS)
-                                          for c in range(half // CONVERT_COLS)),
-                      dtype, plgpu.Layout.WGMMA, src_lead=(slot,))
-          plgpu.commit_smem()
-          sync_compute()           # both halves converted
+          with jax.named_scope("convert"):
+            convert_fp8(kv_smem, key_tile, (pl.ds(wg * half + c * CONVERT_COLS, CONVERT_COLS)
+                                            for c in range(half // CONVERT_COLS)),
+                        dtype, plgpu.Layout.WGMMA, src_lead=(slot,))
+            plgpu.commit_smem()
+          with jax.named_scope("sync_converted"):
+            sync_compute()         # both halves converted
 
         def scores(s_ref):
           if quantized:
@@ -168,7 +171,8 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
             plgpu.wgmma(s_ref, q_smem, kv_smem.at[slot, own].transpose((1, 0)))
           return s_ref[...]
 
-        s = pl.run_scoped(scores, plgpu.ACC((BLOCK_M, HALF_KV), F32))
+        with jax.named_scope("scores"):
+          s = pl.run_scoped(scores, plgpu.ACC((BLOCK_M, HALF_KV), F32))
         pos = masked_positions(cols, block, ok_ref, b, page_size=page_size, P=P)
         if quantized:
           col_scale = lax.broadcast_in_dim(
@@ -182,7 +186,8 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
         # Exchange 1: the block's row max is the larger of the two halves'.
         mine = s.max(axis=1)
         row_smem.at[wg][...] = mine
-        sync_compute()
+        with jax.named_scope("sync_max"):
+          sync_compute()
         m_new = jnp.maximum(m_i, jnp.maximum(mine, plgpu.load(row_smem.at[other],
                                                                layout=row_vec)))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -193,10 +198,12 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
         # Exchange 2: the weights.
         p_smem.at[own].transpose((1, 0))[...] = pv
         plgpu.commit_smem()
-        sync_compute()
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        values = key_tile if quantized else kv_smem.at[slot]
-        acc = accumulate(acc, p_smem.transpose((1, 0)), values.at[:, col0], interpret)
+        with jax.named_scope("sync_p"):
+          sync_compute()
+        with jax.named_scope("values"):
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          values = key_tile if quantized else kv_smem.at[slot]
+          acc = accumulate(acc, p_smem.transpose((1, 0)), values.at[:, col0], interpret)
         if not quantized:
           plgpu.barrier_arrive(free_bar.at[slot])
           ring_io.refill(i)
@@ -250,6 +257,6 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
       kernel_name="mla_decode_pth" if quantized else "mla_decode",
       # The row reductions stay inside a warp (WGMMA layout): no cross-warp scratch, whose
       # 2 KB would not fit at H = 128.
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+      compiler_params=common.compiler_params(approx_math=True, reduction_scratch_bytes=0),
       interpret=common.interpret_params() if interpret else None,
   )

@@ -452,3 +452,76 @@ def test_gpu_kernel_against_float64_small(rng):
                       kv_lora_rank=512)
       for path in _paths_taking(cache, q, table):
         assert_close(_kernel_path(cache, q, table, lens, path, sm_scale=0.3), want)
+
+
+# ------------------------------------------------------- the in-kernel profile (diagnosis)
+def _trace_decode_module():
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).parents[1] / "benchmarks" / "trace_decode.py"
+  spec = importlib.util.spec_from_file_location("trace_decode", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_profile_setting_reaches_the_compiler_params(monkeypatch, tmp_path):
+  common = kernel.common
+  assert common.PROFILE is None
+  assert common.compiler_params(approx_math=True).profile_space == 0
+  monkeypatch.setattr(common, "PROFILE", (32, str(tmp_path)))
+  params = common.compiler_params(approx_math=True)
+  assert (params.profile_space, params.profile_dir) == (32, str(tmp_path))
+  assert params.profile_bounds_check and params.approx_math
+
+
+def test_trace_summary_medians_and_period():
+  trace_decode = _trace_decode_module()
+  events = []
+  for program in range(2):
+    for wg in range(2):
+      tid = 1 + wg + 2 * program
+      for block in range(5):       # one block every 2 us: "wait" 0.5 us, then "work" 1 us
+        t0 = 100.0 * program + 2.0 * block
+        events += [{"name": "wait", "ph": "B", "ts": t0, "tid": tid},
+                   {"name": "wait", "ph": "E", "ts": t0 + 0.5, "tid": tid},
+                   {"name": "work", "ph": "B", "ts": t0 + 0.5, "tid": tid},
+                   {"name": "inner", "ph": "B", "ts": t0 + 0.6, "tid": tid},
+                   {"name": "inner", "ph": "E", "ts": t0 + 0.8 + 0.1 * wg, "tid": tid},
+                   {"name": "work", "ph": "E", "ts": t0 + 1.5, "tid": tid}]
+  summary = trace_decode.summarize({"traceEvents": events}, warpgroups=2, skip=2)
+  assert set(summary) == {0, 1}
+  for wg in (0, 1):
+    regions = summary[wg]["regions"]
+    assert regions["wait"][0] == 6 and regions["wait"][1] == pytest.approx(500)
+    assert regions["work"][1] == pytest.approx(1000)
+    assert regions["inner"][1] == pytest.approx(200 + 100 * wg)
+    assert summary[wg]["period"] == ("wait", pytest.approx(2000))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16", "pth"])
+def test_gpu_profiled_narrow_kernel_writes_a_trace(mode, monkeypatch, tmp_path, rng):
+  """benchmarks/trace_decode.py's mechanism: a kernel built with PROFILE set records its
+  named regions, and its results do not change."""
+  import json
+  cfg = CONFIGS[mode].replace(page_size=64, size=4096)
+  cache = filled_cache(cfg, rng)
+  q, table, lens = problem(cfg, rng, B=2, s_q=2, H=16, P=8)
+  want = _kernel_path(cache, q, table, lens, "narrow")
+  monkeypatch.setattr(kernel.common, "PROFILE", (256, str(tmp_path)))
+  kernel.common._cached_kernel_fn.cache_clear()
+  try:
+    got = _kernel_path(cache, q, table, lens, "narrow")
+    jax.block_until_ready(got)
+    jax.effects_barrier()
+  finally:
+    kernel.common._cached_kernel_fn.cache_clear()
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  traces = list(tmp_path.glob("*-trace.json"))
+  assert traces, "no trace written"
+  names = {ev["name"] for ev in json.loads(traces[0].read_text())["traceEvents"]}
+  assert {"wait_kv", "values", "scores"} <= names, names
+  summary = _trace_decode_module().summarize(json.loads(traces[0].read_text()), 2, skip=1)
+  assert summary[0]["regions"]["scores"][1] > 0
