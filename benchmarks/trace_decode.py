@@ -11,7 +11,7 @@ steady-state blocks (the first two blocks of every program left out) and the med
 period of the warpgroup's first region:
 
     python benchmarks/trace_decode.py [--shape B,s_q,H,ctx] [--mode pth|bf16]
-        [--path converter|narrow|wide] [--space 64] [--out DIR]
+        [--path converter|narrow|wide] [--space 64] [--out DIR] [--timeline PROGRAM]
 
 GPU only (the interpreter has no profiler). The record buffer takes shared memory (16
 bytes an event a warpgroup): keep ``--space`` small for kernels that fill it (the wide
@@ -70,6 +70,25 @@ def summarize(trace: dict, warpgroups: int, skip: int = 2) -> dict:
       for wg, regions in sorted(durations.items())}
 
 
+def timeline(trace: dict, warpgroups: int, program: int = 0) -> dict:
+  """{warpgroup: [(region, start ns, end ns), ...]} of one program (its "tid"s), times from
+  the program's first event, regions in the order they closed (nested ones first)."""
+  tids = {1 + wg + warpgroups * program: wg for wg in range(warpgroups)}
+  events = [ev for ev in trace["traceEvents"] if ev["tid"] in tids]
+  if not events:
+    return {}
+  t0 = min(ev["ts"] for ev in events)
+  out, stacks = collections.defaultdict(list), collections.defaultdict(list)
+  for ev in events:
+    wg = tids[ev["tid"]]
+    if ev["ph"] == "B":
+      stacks[wg].append(ev)
+    elif stacks[wg]:
+      begin = stacks[wg].pop()
+      out[wg].append((begin["name"], (begin["ts"] - t0) * 1e3, (ev["ts"] - t0) * 1e3))
+  return dict(sorted(out.items()))
+
+
 def print_summary(summary: dict) -> None:
   for wg, s in summary.items():
     name, period = s["period"]
@@ -90,6 +109,8 @@ def main() -> None:
   parser.add_argument("--path", default="converter", choices=kernel.PATHS)
   parser.add_argument("--space", type=int, default=64, help="events a warpgroup records")
   parser.add_argument("--out", default=None, help="folder for the trace (default: a new one)")
+  parser.add_argument("--timeline", type=int, default=None, metavar="PROGRAM",
+                      help="also print this program's regions in time order")
   args = parser.parse_args()
   B, s_q, H, ctx = map(int, args.shape.split(","))
   out = args.out or tempfile.mkdtemp(prefix="trace_decode_")
@@ -117,7 +138,13 @@ def main() -> None:
     raise SystemExit(f"no trace in {out} (the profiler runs on the GPU only)")
   print(f"{args.mode} {args.path} B={B} s_q={s_q} H={H} context {ctx}: {traces[-1]}")
   with open(traces[-1]) as fh:
-    print_summary(summarize(json.load(fh), WARPGROUPS[args.path]))
+    trace = json.load(fh)
+  print_summary(summarize(trace, WARPGROUPS[args.path]))
+  if args.timeline is not None:
+    for wg, regions in timeline(trace, WARPGROUPS[args.path], args.timeline).items():
+      print(f"program {args.timeline}, warpgroup {wg}:")
+      for name, start, end in sorted(regions, key=lambda r: r[1]):
+        print(f"  {start:9.0f} {end:9.0f} ns  {name}")
 
 
 if __name__ == "__main__":

@@ -497,6 +497,10 @@ def test_trace_summary_medians_and_period():
     assert regions["work"][1] == pytest.approx(1000)
     assert regions["inner"][1] == pytest.approx(200 + 100 * wg)
     assert summary[wg]["period"] == ("wait", pytest.approx(2000))
+  line = trace_decode.timeline({"traceEvents": events}, warpgroups=2, program=1)
+  assert sorted(line) == [0, 1] and len(line[1]) == 15
+  assert line[1][:3] == [("wait", 0.0, pytest.approx(500)), ("inner", pytest.approx(600),
+                         pytest.approx(900)), ("work", pytest.approx(500), pytest.approx(1500))]
 
 
 @pytest.mark.gpu
