@@ -32,9 +32,7 @@ def main():
   rng = np.random.default_rng(0)
   base = mc.DEEPSEEK_V3.replace(layer_num=1)
   pages = ctx // base.page_size
-  table = jnp.asarray((rng.permutation(B * pages) + 1).reshape(B, pages).astype(np.int32))
-  lens = jnp.full((B,), ctx, jnp.int32)
-  q = jnp.asarray(rng.standard_normal((B, s_q, H, 576)) * 0.1, jnp.bfloat16)
+  table, lens, q = bench.decode_problem(rng, base, B, s_q, H, ctx)
   variants = [(f"{mode}-{path}-s{stages}", mode == "pth",
                kernel.DecodeConfig(path=path, stages=stages))
               for mode in ("bf16", "pth") for path in kernel.PATHS for stages in (2, 3)]

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, memcheck with hostile slots, diagnostics, benchmark.
 # Usage (device tool): bash benchmarks/gpu_session.sh
-#   [tests|decode|decode_bench|diag_decode|trace|regs|demo|deepseek|moves|rope|rope_bench|sanitize|diag|
-#    diag_rows|diag_moves|ptx|bench|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
+#   [tests|decode|decode_bench|diag_decode|trace|regs|demo|deepseek|moves|rope|rope_bench|
+#    sanitize|diag|diag_rows|diag_moves|ptx|bench|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
 #
 # Budget notes (H200, jax 0.11.2; 30 min of device time a session, a cold start ~1-1.5 min):
 # a 61-layer Mosaic move kernel lowers in < 2 s of host time; the move GPU tests take ~100 s,

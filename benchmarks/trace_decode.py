@@ -123,10 +123,7 @@ def main() -> None:
   pages = ctx // base.page_size
   cfg = (base.replace(dtype=jnp.float8_e4m3fn, quant_method="per_token_head") if quant
          else base).replace(size=B * pages * base.page_size)
-  rng = np.random.default_rng(0)
-  table = jnp.asarray((rng.permutation(B * pages) + 1).reshape(B, pages).astype(np.int32))
-  lens = jnp.full((B,), ctx, jnp.int32)
-  q = jnp.asarray(rng.standard_normal((B, s_q, H, 576)) * 0.1, jnp.bfloat16)
+  table, lens, q = bench.decode_problem(np.random.default_rng(0), cfg, B, s_q, H, ctx)
   layer = bench.decode_cache(cfg).layer(0)
   config = kernel.DecodeConfig(path=args.path)
   f = jax.jit(lambda layer, q, t, n: kernel.mla_decode(

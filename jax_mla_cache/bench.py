@@ -279,6 +279,18 @@ def decode_cache(cfg: mc.MLACacheConfig, seed: int = 0) -> mc.MLAKVCache:
   return mc.MLAKVCache(buffers=(fill(),), config=cfg)
 
 
+def decode_problem(rng: np.random.Generator, cfg: mc.MLACacheConfig, B: int, s_q: int, H: int,
+                   ctx: int):
+  """(page_table (B, pages) int32, seq_lens (B,) int32, q (B, s_q, H, W) bf16) of a decode
+  call where every sequence has `ctx` tokens on distinct pages, shuffled (page 0 unused)."""
+  pages = -(-ctx // cfg.page_size)
+  table = jnp.asarray((rng.permutation(B * pages) + 1).reshape(B, pages).astype(np.int32))
+  lens = jnp.full((B,), ctx, jnp.int32)
+  q = jnp.asarray(rng.standard_normal((B, s_q, H, cfg.kv_cache_dim)).astype(np.float32) * 0.1,
+                  jnp.bfloat16)
+  return table, lens, q
+
+
 def gather_attention(cache: mc.MLAKVCache, q, page_table, seq_lens, *, sm_scale: float,
                      implementation: str):
   """The read path without `mla_decode`: `get_mla_kv_buffer` of every context row, then
@@ -310,10 +322,7 @@ def bench_decode(cfg: mc.MLACacheConfig, shapes, impls, iters, report) -> None:
   for B, s_q, H, ctx in shapes:
     pages = -(-ctx // cfg.page_size)
     size = B * pages * cfg.page_size
-    table = jnp.asarray((rng.permutation(B * pages) + 1).reshape(B, pages).astype(np.int32))
-    lens = jnp.full((B,), ctx, jnp.int32)
-    q = jnp.asarray(rng.standard_normal((B, s_q, H, cfg.kv_cache_dim)).astype(np.float32) * 0.1,
-                    jnp.bfloat16)
+    table, lens, q = decode_problem(rng, cfg, B, s_q, H, ctx)
     W, R = cfg.kv_cache_dim, cfg.kv_lora_rank
     flops = 2 * B * s_q * H * ctx * (W + R)
     for op, c in (("mla_decode", cfg), ("mla_decode_pth", quant_cfg)):
