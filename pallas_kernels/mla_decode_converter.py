@@ -91,9 +91,12 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
   tile, fp8_tile, copies, score_scale, row_vec, col_vec = prologue(dtype, page_size, sm_scale)
 
   def body(nope_ref, scale_ref, rope_ref, q_ref, meta_ref, out_ref, lse_ref,
-           q_smem, raw_smem, scale_smem, rope_smem, tiles, p_smem, alpha_smem, m_smem, l_smem,
+           q_smem, raw_smem, scale_smem, rope_smem, tiles, p_smem, stats_smem,
            q_bar, raw_full, raw_free, rope_full, rope_free, tile_ready, tile_free, p_ready,
            p_free, sync_bar):
+    # alpha (then the lse), the running max and sum: one buffer (each allocation takes a
+    # whole KB), which leaves room for the in-kernel profiler's records (common.PROFILE).
+    alpha_smem, m_smem, l_smem = (stats_smem.at[k] for k in range(3))
     pt_ref, ok_ref, len_ref = page_table(meta_ref, P)
     sp = lax.axis_index("s")
     b = lax.axis_index("b")
@@ -291,9 +294,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       plgpu.SMEM((BLOCK_KV, Rr), dtype, transforms=tile),            # rope
       plgpu.SMEM((2, BLOCK_KV, R), dtype, transforms=tile),          # converted tiles
       plgpu.SMEM((N, BLOCK_KV), dtype, transforms=tile),             # P (N x 64 tokens)
-      plgpu.SMEM((N,), F32),                                         # alpha, then lse
-      plgpu.SMEM((N,), F32),                                         # running max
-      plgpu.SMEM((N,), F32),                                         # running sum
+      plgpu.SMEM((3, N), F32),                   # alpha (then the lse), running max, sum
   ]
   barriers = [
       plgpu.Barrier(num_arrivals=1),                                 # q
