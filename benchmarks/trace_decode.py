@@ -53,7 +53,8 @@ def summarize(trace: dict, warpgroups: int, skip: int = 2) -> dict:
       if ev["ph"] == "B":
         stack.append(ev)
         starts[ev["name"]].append(ev["ts"])
-        first_region.setdefault(wg, ev["name"])
+        if ev["name"] != "Init":   # (the profiler's own first event)
+          first_region.setdefault(wg, ev["name"])
       elif stack:
         begin = stack.pop()
         seen[begin["name"]] += 1

@@ -39,8 +39,9 @@ from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, DecodeConfig, Geometry, combine,
                                        num_sms, split_count)
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, copy_block,
-                                             masked_positions, online_softmax, page_table, produce,
-                                             program_blocks, prologue, publish_weights, store_lse)
+                                             masked_positions, online_softmax, page_flags,
+                                             page_table, produce, program_blocks, prologue,
+                                             publish_weights, store_lse)
 from pallas_kernels.mla_decode_narrow import CONVERT_LAYOUT, SMEM_LIMIT
 
 MAX_ROWS = 16
@@ -52,7 +53,7 @@ def _smem_bytes(geo: Geometry) -> int:
           + 2 * BLOCK_KV * (geo.R + 4)                # fp8 nope + scale ring
           + 2 * BLOCK_KV * geo.R * size               # converted tiles
           + BLOCK_KV * geo.Rr * size                  # rope
-          + n * BLOCK_KV * size + 3 * 4 * n + 2048)   # P, alpha/max/sum, barriers and slack
+          + n * BLOCK_KV * size + 2 * 4 * n + 2048)   # P, alpha/sum, barriers and slack
 
 
 def takes(geo: Geometry, config: DecodeConfig) -> str | None:
@@ -94,9 +95,9 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
            q_smem, raw_smem, scale_smem, rope_smem, tiles, p_smem, stats_smem,
            q_bar, raw_full, raw_free, rope_full, rope_free, tile_ready, tile_free, p_ready,
            p_free, sync_bar):
-    # alpha (then the lse), the running max and sum: one buffer (each allocation takes a
-    # whole KB), which leaves room for the in-kernel profiler's records (common.PROFILE).
-    alpha_smem, m_smem, l_smem = (stats_smem.at[k] for k in range(3))
+    # alpha (then the lse) and the sum: one buffer (each allocation takes a whole KB),
+    # which leaves room for the in-kernel profiler's records (common.PROFILE).
+    alpha_smem, l_smem = stats_smem.at[0], stats_smem.at[1]
     pt_ref, ok_ref, len_ref = page_table(meta_ref, P)
     sp = lax.axis_index("s")
     b = lax.axis_index("b")
@@ -156,8 +157,6 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       def _():
         plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
-        m_smem[...] = plgpu.layout_cast(jnp.full((N,), -jnp.inf, F32), col_vec)
-        l_smem[...] = plgpu.layout_cast(jnp.full((N,), 0.0, F32), col_vec)
 
       def wg0_loop(acc):
         tok = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, N), 0, layout=plgpu.Layout.WGMMA)
@@ -165,9 +164,15 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
         # Query j (row r = j * H + h) sees positions <= length - s_q + j.
         limit = length - s_q + lax.div(qrow, H)
 
-        @pl.loop(0, n_steps, init_carry=acc)
-        def acc(i, acc):
+        # The running max and the unreduced running sums (`online_softmax`) in registers.
+        carry = (acc, plgpu.layout_cast(jnp.full((N,), -jnp.inf, F32), col_vec),
+                 plgpu.layout_cast(jnp.full((BLOCK_KV, N), 0.0, F32), plgpu.Layout.WGMMA))
+
+        @pl.loop(0, n_steps, init_carry=carry)
+        def carry(i, carry):
+          acc, m_i, l_part = carry
           j = lax.rem(i, 2)
+          bad = page_flags(ok_ref, b, first + i, page_size=page_size, P=P)   # (loaded early)
           with jax.named_scope("wait_raw"):
             plgpu.barrier_wait(raw_full.at[j])
           row_scale = lax.broadcast_in_dim(
@@ -187,23 +192,26 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
             s = pl.run_scoped(scores, plgpu.ACC((BLOCK_KV, N), F32))
           plgpu.barrier_arrive(rope_free)
           with jax.named_scope("softmax"):
-            pos = masked_positions(tok, first + i, ok_ref, b, page_size=page_size, P=P)
+            pos = masked_positions(tok, first + i, bad, page_size=page_size)
             s = jnp.where(pos <= limit, s * row_scale * score_scale, -jnp.inf)
-            m_new, alpha, p, l_new = online_softmax(
-                s, plgpu.load(m_smem, layout=col_vec), plgpu.load(l_smem, layout=col_vec), 0)
+            m_i, alpha, p, l_part = online_softmax(s, m_i, l_part, 0)
             p = p * row_scale
           with jax.named_scope("publish"):
-            publish_weights(i, p, alpha, m_new, l_new, p_smem=p_smem, alpha_smem=alpha_smem,
-                            m_smem=m_smem, l_smem=l_smem, p_free=p_free, p_ready=p_ready)
+            publish_weights(i, p, alpha, p_smem=p_smem, alpha_smem=alpha_smem, p_free=p_free,
+                            p_ready=p_ready)
           with jax.named_scope("values"):
             acc = accumulate_values(acc, j, pl.ds(0, half))
           plgpu.barrier_arrive(tile_free.at[j])
-          return acc
+          return acc, m_i, l_part
+
+        acc, m_i, l_part = carry
+        l_i = l_part.sum(axis=0)
+        l_smem[...] = l_i                   # (for both warpgroups' epilogues)
 
         @pl.when(n_steps > 0)
         def _():
           plgpu.barrier_wait(p_free)        # observe warpgroup 1's last release
-        store_lse(m_smem, l_smem, alpha_smem, lse_ref.at[b, sp], col_vec)
+        store_lse(m_i, l_i, alpha_smem, lse_ref.at[b, sp])
         return acc
 
       def wg1_loop(acc):
@@ -294,7 +302,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       plgpu.SMEM((BLOCK_KV, Rr), dtype, transforms=tile),            # rope
       plgpu.SMEM((2, BLOCK_KV, R), dtype, transforms=tile),          # converted tiles
       plgpu.SMEM((N, BLOCK_KV), dtype, transforms=tile),             # P (N x 64 tokens)
-      plgpu.SMEM((3, N), F32),                   # alpha (then the lse), running max, sum
+      plgpu.SMEM((2, N), F32),                   # alpha (then the lse), the running sum
   ]
   barriers = [
       plgpu.Barrier(num_arrivals=1),                                 # q

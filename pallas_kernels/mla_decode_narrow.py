@@ -48,9 +48,9 @@ from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import (BLOCK_KV, DecodeConfig, Geometry, combine,
                                        num_sms, split_count)
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, kv_scratch,
-                                             masked_positions, online_softmax, page_table,
-                                             program_blocks, prologue, publish_weights,
-                                             ring_loader, store_lse)
+                                             masked_positions, online_softmax, page_flags,
+                                             page_table, program_blocks, prologue,
+                                             publish_weights, ring_loader, store_lse)
 
 MAX_ROWS = 32       # query rows (s_q x H) this path takes
 SMEM_LIMIT = 227 * 1024
@@ -69,7 +69,7 @@ def _smem_bytes(geo: Geometry, stages: int) -> int:
   n = padded_rows(geo.QR)
   W = geo.R + geo.Rr
   size = geo.dtype.itemsize
-  total = n * W * size + n * BLOCK_KV * size + geo.R * n * size + 4 * 3 * n + 2048
+  total = n * W * size + n * BLOCK_KV * size + geo.R * n * size + 4 * 2 * n + 2048
   if geo.quantized:
     total += stages * BLOCK_KV * (geo.R + geo.Rr * size + 4) + BLOCK_KV * geo.R * size
   else:
@@ -116,11 +116,11 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
     if quantized:
       (nope_ref, scale_ref, rope_ref, q_ref, meta_ref, out_ref, lse_ref,
        q_smem, kv_smem, rope_smem, scale_smem, key_tile, p_smem, o_smem, alpha_smem,
-       m_smem, l_smem, q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free) = refs
+       l_smem, q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free) = refs
       planes, ring = (nope_ref, rope_ref, scale_ref), (kv_smem, rope_smem, scale_smem)
     else:
       (kv_ref, q_ref, meta_ref, out_ref, lse_ref,
-       q_smem, kv_smem, p_smem, o_smem, alpha_smem, m_smem, l_smem,
+       q_smem, kv_smem, p_smem, o_smem, alpha_smem, l_smem,
        q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free) = refs
       planes, ring = (kv_ref,), (kv_smem,)
     pt_ref, ok_ref, len_ref = page_table(meta_ref, P)
@@ -157,14 +157,10 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
       # Query j (row r = j * H + h) sees positions <= length - s_q + j.
       limit = length - s_q + lax.div(qrow, H)
 
-      @pl.when(wg == 0)
-      def _():
-        m_smem[...] = plgpu.layout_cast(jnp.full((N,), -jnp.inf, F32), col_vec)
-        l_smem[...] = plgpu.layout_cast(jnp.full((N,), 0.0, F32), col_vec)
-
-      def softmax(i, slot):
-        """Warpgroup 0: S^T of block i and the online softmax. The running max and sum
-        live in shared memory; P, alpha, max and sum are written there for both."""
+      def softmax(i, slot, bad, m_i, l_part):
+        """Warpgroup 0: S^T of block i and the online softmax (`bad`: the block's
+        `page_flags`); P and alpha go to shared memory for both warpgroups. Returns the
+        running max and the unreduced running sums (registers of warpgroup 0)."""
         def scores(s_ref):
           if quantized:
             plgpu.wgmma(s_ref, key_tile, q_smem.at[:, pl.ds(0, R)].transpose((1, 0)))
@@ -175,26 +171,32 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
 
         with jax.named_scope("scores"):
           s = pl.run_scoped(scores, plgpu.ACC((BLOCK_KV, N), F32))
-        pos = masked_positions(tok, first + i, ok_ref, b, page_size=page_size, P=P)
+        pos = masked_positions(tok, first + i, bad, page_size=page_size)
         if quantized:
           row_scale = lax.broadcast_in_dim(
               plgpu.load(scale_smem.at[slot], layout=row_vec), (BLOCK_KV, N), [0])
           s = s * row_scale
         s = jnp.where(pos <= limit, s * score_scale, -jnp.inf)
-        m_new, alpha, p, l_new = online_softmax(
-            s, plgpu.load(m_smem, layout=col_vec), plgpu.load(l_smem, layout=col_vec), 0)
+        m_i, alpha, p, l_part = online_softmax(s, m_i, l_part, 0)
         if quantized:
           p = p * row_scale
           # The raw planes are consumed (nope converted by both warpgroups before this
           # step, rope read by the score product, scales loaded).
           plgpu.barrier_arrive(free_bar.at[slot])
         with jax.named_scope("publish"):
-          publish_weights(i, p, alpha, m_new, l_new, p_smem=p_smem, alpha_smem=alpha_smem,
-                          m_smem=m_smem, l_smem=l_smem, p_free=p_free, p_ready=p_ready)
+          publish_weights(i, p, alpha, p_smem=p_smem, alpha_smem=alpha_smem, p_free=p_free,
+                          p_ready=p_ready)
+        return m_i, l_part
 
-      @pl.loop(0, n_steps, init_carry=acc)
-      def acc(i, acc):
+      # Both warpgroups carry the running max and sums; only warpgroup 0's are used.
+      carry = (acc, plgpu.layout_cast(jnp.full((N,), -jnp.inf, F32), col_vec),
+               plgpu.layout_cast(jnp.full((BLOCK_KV, N), 0.0, F32), plgpu.Layout.WGMMA))
+
+      @pl.loop(0, n_steps, init_carry=carry)
+      def carry(i, carry):
+        acc, m_i, l_part = carry
         slot = lax.rem(i, stages)
+        bad = page_flags(ok_ref, b, first + i, page_size=page_size, P=P)   # (loaded early)
         with jax.named_scope("wait_kv"):      # (regions of common.PROFILE's trace)
           plgpu.barrier_wait(kv_bar.at[slot])
         if quantized:
@@ -218,9 +220,8 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
           ring_io.refill(i)     # (warpgroup 1, once warpgroup 0's scores released it too)
 
         with jax.named_scope("softmax"):      # (warpgroup 0: scores, softmax, publish)
-          @pl.when(wg == 0)
-          def _():
-            softmax(i, slot)
+          m_i, l_part = lax.cond(wg == 0, lambda c: softmax(i, slot, bad, *c), lambda c: c,
+                                 (m_i, l_part))
 
         with jax.named_scope("wait_p"):
           @pl.when(wg == 1)
@@ -237,14 +238,19 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
         if not quantized:
           plgpu.barrier_arrive(free_bar.at[slot])
           ring_io.refill(i)
-        return acc
+        return acc, m_i, l_part
+
+      acc, m_i, l_part = carry
 
       @pl.when(wg == 0)
       def _():
+        l_i = l_part.sum(axis=0)
+        l_smem[...] = l_i                 # (for both warpgroups' outputs)
+
         @pl.when(n_steps > 0)
         def _():
           plgpu.barrier_wait(p_free)      # observe warpgroup 1's last release
-        store_lse(m_smem, l_smem, alpha_smem, lse_ref.at[b, sp], col_vec)
+        store_lse(m_i, l_i, alpha_smem, lse_ref.at[b, sp])
 
       sync_compute()
       l_all = plgpu.load(l_smem, layout=col_vec)
@@ -264,8 +270,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
       plgpu.SMEM((N, BLOCK_KV), dtype, transforms=tile),   # P (N x 64 tokens)
       plgpu.SMEM((R, N), dtype),                           # out^T staging
       plgpu.SMEM((N,), F32),                               # alpha, then lse
-      plgpu.SMEM((N,), F32),                               # running max
-      plgpu.SMEM((N,), F32),                               # running sum
+      plgpu.SMEM((N,), F32),                               # running sum (at the end)
   ]
   barriers += [
       plgpu.Barrier(num_arrivals=1),                              # P ready (wg 0 -> 1)

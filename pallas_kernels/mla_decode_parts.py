@@ -167,29 +167,43 @@ def produce(n_steps, stages: int, free_bar, load: Callable[[jax.Array], None]) -
     plgpu.barrier_wait(free_bar.at[lax.rem(i, stages)])
 
 
-def masked_positions(idx, block, ok_ref, b, *, page_size: int, P: int):
+def page_flags(ok_ref, b, block, *, page_size: int, P: int) -> list:
+  """1 - ok of each page that KV block `block` of sequence b spans (scalars; load them
+  early: a global-memory load's latency then hides behind the block's waits)."""
+  copies, _ = copy_geometry(page_size)
+  if copies == 1:
+    return [1 - ok_ref[b, lax.div(block * BLOCK_KV, page_size)]]
+  return [1 - ok_ref[b, jnp.minimum(block * copies + c, P - 1)] for c in range(copies)]
+
+
+def masked_positions(idx, block, bad, *, page_size: int):
   """Positions ``block * BLOCK_KV + idx`` of a score block (idx: the token index iota),
-  moved past every visibility limit where the token's page id was out of range.
+  moved past every visibility limit where the token's page id was out of range (`bad`:
+  `page_flags` of the block).
 
   Integer arithmetic only: vectors of booleans have no register layout here.
   """
-  copies, _ = copy_geometry(page_size)
   pos = block * BLOCK_KV + idx
-  if copies == 1:
-    return pos + (1 - ok_ref[b, lax.div(block * BLOCK_KV, page_size)]) * MASKED
+  if len(bad) == 1:
+    return pos + bad[0] * MASKED
   page_in_block = lax.div(idx, page_size)
   penalty = jnp.zeros_like(idx)
-  for c in range(copies):
-    bad = 1 - ok_ref[b, jnp.minimum(block * copies + c, P - 1)]
-    penalty = jnp.where(page_in_block == c, bad * MASKED, penalty)
+  for c, flag in enumerate(bad):
+    penalty = jnp.where(page_in_block == c, flag * MASKED, penalty)
   return pos + penalty
 
 
-def online_softmax(s, m_i, l_i, axis: int):
+def online_softmax(s, m_i, l_part, axis: int):
   """One block of the online softmax along `axis` of the (masked, log2-scaled) scores s.
 
-  Returns (m_new, alpha, p, l_new): the running max, the factor that rescales what was
-  accumulated before, the block's weights exp2(s - max) and the running sum. A row with
+  l_part: the running sums kept unreduced, in s's shape: the block's weights are added
+  element by element, and the sum over `axis` (a cross-warp reduction when `axis` splits
+  over warps: two warpgroup barriers) waits until the end (``l_part.sum(axis)``). Keeping
+  it out of the loop took 3-11% off the narrow and converter paths on the H200
+  (`logs/2026-12-04f_decode_lean_softmax.log`).
+
+  Returns (m_new, alpha, p, l_part): the running max, the factor that rescales what was
+  accumulated before, the block's weights exp2(s - max) and the running sums. A row with
   nothing visible yet keeps max -inf and gets weights 0.
   """
   keep = [1 - axis]
@@ -197,8 +211,8 @@ def online_softmax(s, m_i, l_i, axis: int):
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m_i - m_use)
   p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, keep))
-  l_new = l_i * alpha + p.sum(axis=axis)
-  return m_new, alpha, p, l_new
+  l_part = l_part * lax.broadcast_in_dim(alpha, s.shape, keep) + p
+  return m_new, alpha, p, l_part
 
 
 def accumulate(acc, a, b, interpret: bool):
@@ -318,28 +332,24 @@ def block_loader(gmem, smem, *, kv_bar, stages: int, pt_ref, b, first, page_size
   return load
 
 
-def store_lse(m_smem, l_smem, staging, dst, layout) -> None:
+def store_lse(m_i, l_i, staging, dst) -> None:
   """lse = ln(sum) + max (natural log; -inf where nothing was visible) from the running
-  max and sum in shared memory, through `staging` to the global-memory ref `dst`."""
-  m_i = plgpu.load(m_smem, layout=layout)
-  l_i = plgpu.load(l_smem, layout=layout)
+  max and sum (registers), through the shared-memory ref `staging` to the global-memory
+  ref `dst`."""
   has = l_i > 0
   staging[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2, -jnp.inf)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(staging, dst)
 
 
-def publish_weights(i, p, alpha, m_new, l_new, *, p_smem, alpha_smem, m_smem, l_smem,
-                    p_free, p_ready) -> None:
+def publish_weights(i, p, alpha, *, p_smem, alpha_smem, p_free, p_ready) -> None:
   """Warpgroup 0 hands step i's softmax to the other compute warpgroup: it waits until
-  that one has consumed step i - 1's (p_free), stores P (transposed into p_smem), alpha
-  and the running max and sum, and signals p_ready."""
+  that one has consumed step i - 1's (p_free), stores P (transposed into p_smem) and
+  alpha, and signals p_ready."""
   @pl.when(i > 0)
   def _():
     plgpu.barrier_wait(p_free)
   p_smem.transpose((1, 0))[...] = p.astype(p_smem.dtype)
   alpha_smem[...] = alpha
-  m_smem[...] = m_new
-  l_smem[...] = l_new
   plgpu.commit_smem()
   plgpu.barrier_arrive(p_ready)

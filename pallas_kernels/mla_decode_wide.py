@@ -56,8 +56,8 @@ from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import (BLOCK_KV, LN2, DecodeConfig, Geometry,
                                        combine, num_sms, split_count)
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, kv_scratch,
-                                             masked_positions, page_table, program_blocks,
-                                             prologue, ring_loader)
+                                             masked_positions, page_flags, page_table,
+                                             program_blocks, prologue, ring_loader)
 
 BLOCK_M = 64        # query rows per tile (a wgmma's M)
 HALF_KV = BLOCK_KV // 2
@@ -147,6 +147,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
         acc, m_i, l_i = carry
         slot = lax.rem(i, stages)
         block = first + i
+        bad = page_flags(ok_ref, b, block, page_size=page_size, P=P)   # (loaded early)
         with jax.named_scope("wait_kv"):     # (regions of common.PROFILE's trace)
           plgpu.barrier_wait(kv_bar.at[slot])
         if quantized:
@@ -173,7 +174,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
 
         with jax.named_scope("scores"):
           s = pl.run_scoped(scores, plgpu.ACC((BLOCK_M, HALF_KV), F32))
-        pos = masked_positions(cols, block, ok_ref, b, page_size=page_size, P=P)
+        pos = masked_positions(cols, block, bad, page_size=page_size)
         if quantized:
           col_scale = lax.broadcast_in_dim(
               plgpu.load(scale_smem.at[slot, own], layout=plgpu.Layout.WGMMA.reduce(0)),
