@@ -481,6 +481,9 @@ def test_trace_summary_medians_and_period():
   for program in range(2):
     for wg in range(2):
       tid = 1 + wg + 2 * program
+      # The profiler's own first region (not a block: the period must not be its own).
+      events += [{"name": "Init", "ph": "B", "ts": 100.0 * program - 1.0, "tid": tid},
+                 {"name": "Init", "ph": "E", "ts": 100.0 * program - 0.6, "tid": tid}]
       for block in range(5):       # one block every 2 us: "wait" 0.5 us, then "work" 1 us
         t0 = 100.0 * program + 2.0 * block
         events += [{"name": "wait", "ph": "B", "ts": t0, "tid": tid},
@@ -498,9 +501,11 @@ def test_trace_summary_medians_and_period():
     assert regions["inner"][1] == pytest.approx(200 + 100 * wg)
     assert summary[wg]["period"] == ("wait", pytest.approx(2000))
   line = trace_decode.timeline({"traceEvents": events}, warpgroups=2, program=1)
-  assert sorted(line) == [0, 1] and len(line[1]) == 15
-  assert line[1][:3] == [("wait", 0.0, pytest.approx(500)), ("inner", pytest.approx(600),
-                         pytest.approx(900)), ("work", pytest.approx(500), pytest.approx(1500))]
+  assert sorted(line) == [0, 1] and len(line[1]) == 16
+  assert line[1][:4] == [("Init", 0.0, pytest.approx(400)),
+                         ("wait", pytest.approx(1000), pytest.approx(1500)),
+                         ("inner", pytest.approx(1600), pytest.approx(1900)),
+                         ("work", pytest.approx(1500), pytest.approx(2500))]
 
 
 @pytest.mark.gpu
