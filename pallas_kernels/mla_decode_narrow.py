@@ -18,10 +18,12 @@ ptxas at 168 registers a thread and this kernel spilled, 324 bytes per_token_hea
 * warpgroup 1 follows the page table with TMA copies of 64-token blocks into a ring of
   ``stages`` shared-memory stages, refilling a stage once both have released it
   (`mla_decode_parts.ring_loader`);
-* warpgroup 0 computes S^T, the online softmax along the tokens (a reduction across its
-  4 warps, through shared memory: only this warpgroup reduces, so the compiler's single
-  reduction scratch area is not shared), writes P^T's transpose P (N x 64) and the
-  rescale factors alpha (N) to shared memory, and signals warpgroup 1;
+* warpgroup 0 computes S^T, the online softmax along the tokens (the block max is a
+  reduction across its 4 warps, through shared memory: only this warpgroup reduces, so the
+  compiler's single reduction scratch area is not shared; the running sums stay unreduced
+  in registers until the last block, `mla_decode_parts.online_softmax`), writes P^T's
+  transpose P (N x 64) and the rescale factors alpha (N) to shared memory, and signals
+  warpgroup 1;
 * warpgroups 0 and 1 each accumulate half of out^T (R/2 x N float32: 32 registers a thread
   at N=16) from V^T (the cached block read transposed from shared memory) and P.
 
