@@ -41,7 +41,7 @@ from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, DecodeConfig, Geometr
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, copy_block,
                                              masked_positions, online_softmax, page_flags,
                                              page_table, produce, program_blocks, prologue,
-                                             publish_weights, store_lse)
+                                             publish_weights, softmax_end, softmax_start)
 from pallas_kernels.mla_decode_narrow import CONVERT_LAYOUT, SMEM_LIMIT
 
 MAX_ROWS = 16
@@ -165,10 +165,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
         limit = length - s_q + lax.div(qrow, H)
 
         # The running max and the unreduced running sums (`online_softmax`) in registers.
-        carry = (acc, plgpu.layout_cast(jnp.full((N,), -jnp.inf, F32), col_vec),
-                 plgpu.layout_cast(jnp.full((BLOCK_KV, N), 0.0, F32), plgpu.Layout.WGMMA))
-
-        @pl.loop(0, n_steps, init_carry=carry)
+        @pl.loop(0, n_steps, init_carry=(acc, *softmax_start(N, col_vec)))
         def carry(i, carry):
           acc, m_i, l_part = carry
           j = lax.rem(i, 2)
@@ -205,13 +202,8 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
           return acc, m_i, l_part
 
         acc, m_i, l_part = carry
-        l_i = l_part.sum(axis=0)
-        l_smem[...] = l_i                   # (for both warpgroups' epilogues)
-
-        @pl.when(n_steps > 0)
-        def _():
-          plgpu.barrier_wait(p_free)        # observe warpgroup 1's last release
-        store_lse(m_i, l_i, alpha_smem, lse_ref.at[b, sp])
+        softmax_end(m_i, l_part, n_steps, l_smem=l_smem, staging=alpha_smem, p_free=p_free,
+                    dst=lse_ref.at[b, sp])
         return acc
 
       def wg1_loop(acc):

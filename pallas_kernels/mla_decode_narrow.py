@@ -52,7 +52,8 @@ from pallas_kernels.mla_decode import (BLOCK_KV, DecodeConfig, Geometry, combine
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, kv_scratch,
                                              masked_positions, online_softmax, page_flags,
                                              page_table, program_blocks, prologue,
-                                             publish_weights, ring_loader, store_lse)
+                                             publish_weights, ring_loader, softmax_end,
+                                             softmax_start)
 
 MAX_ROWS = 32       # query rows (s_q x H) this path takes
 SMEM_LIMIT = 227 * 1024
@@ -191,10 +192,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
         return m_i, l_part
 
       # Both warpgroups carry the running max and sums; only warpgroup 0's are used.
-      carry = (acc, plgpu.layout_cast(jnp.full((N,), -jnp.inf, F32), col_vec),
-               plgpu.layout_cast(jnp.full((BLOCK_KV, N), 0.0, F32), plgpu.Layout.WGMMA))
-
-      @pl.loop(0, n_steps, init_carry=carry)
+      @pl.loop(0, n_steps, init_carry=(acc, *softmax_start(N, col_vec)))
       def carry(i, carry):
         acc, m_i, l_part = carry
         slot = lax.rem(i, stages)
@@ -246,13 +244,8 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
 
       @pl.when(wg == 0)
       def _():
-        l_i = l_part.sum(axis=0)
-        l_smem[...] = l_i                 # (for both warpgroups' outputs)
-
-        @pl.when(n_steps > 0)
-        def _():
-          plgpu.barrier_wait(p_free)      # observe warpgroup 1's last release
-        store_lse(m_i, l_i, alpha_smem, lse_ref.at[b, sp])
+        softmax_end(m_i, l_part, n_steps, l_smem=l_smem, staging=alpha_smem, p_free=p_free,
+                    dst=lse_ref.at[b, sp])
 
       sync_compute()
       l_all = plgpu.load(l_smem, layout=col_vec)

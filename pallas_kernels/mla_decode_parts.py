@@ -332,10 +332,25 @@ def block_loader(gmem, smem, *, kv_bar, stages: int, pt_ref, b, first, page_size
   return load
 
 
-def store_lse(m_i, l_i, staging, dst) -> None:
-  """lse = ln(sum) + max (natural log; -inf where nothing was visible) from the running
-  max and sum (registers), through the shared-memory ref `staging` to the global-memory
-  ref `dst`."""
+def softmax_start(N: int, col_vec) -> tuple:
+  """The running max (-inf) and the unreduced running sums (0) that `online_softmax` starts
+  from, for (BLOCK_KV, N) blocks of S^T (tokens x query rows) in registers."""
+  return (plgpu.layout_cast(jnp.full((N,), -jnp.inf, F32), col_vec),
+          plgpu.layout_cast(jnp.full((BLOCK_KV, N), 0.0, F32), plgpu.Layout.WGMMA))
+
+
+def softmax_end(m_i, l_part, n_steps, *, l_smem, staging, p_free, dst) -> None:
+  """Warpgroup 0 after its last block of S^T: the running sums reduced over the tokens into
+  `l_smem` (both warpgroups divide their outputs by them), the other warpgroup's last
+  release of P observed (`p_free`), then lse = ln(sum) + max (natural log; -inf where
+  nothing was visible) through the shared-memory ref `staging` to the global-memory ref
+  `dst`."""
+  l_i = l_part.sum(axis=0)
+  l_smem[...] = l_i
+
+  @pl.when(n_steps > 0)
+  def _():
+    plgpu.barrier_wait(p_free)
   has = l_i > 0
   staging[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2, -jnp.inf)
   plgpu.commit_smem()
