@@ -55,8 +55,9 @@ def mla_decode_reference(
     buffers: tuple[jax.Array, ...], q: jax.Array, page_table: jax.Array, seq_lens: jax.Array,
     *, sm_scale: float, page_size: int, kv_lora_rank: int,
 ) -> tuple[jax.Array, jax.Array]:
-  """SPEC §7 in plain XLA: gather every position's row by the page table, then a masked
-  softmax in float32. `buffers`: `(kv,)` plain or `(nope, scale, rope)` per_token_head.
+  """SPEC §7 in plain XLA: gather the row of every position by the page table (zeros for
+  masked pages and positions past the length), then a masked softmax in float32.
+  `buffers`: `(kv,)` plain or `(nope, scale, rope)` per_token_head.
 
   q (B, s_q, H, R+Rr); page_table (B, P) int32; seq_lens (B,) int32.
   Returns (out (B, s_q, H, R) q.dtype, lse (B, s_q, H) float32).
@@ -68,15 +69,17 @@ def mla_decode_reference(
   rows = buffers[0].shape[0]
   L = page_table.shape[1] * page_size
   row, valid = positions_rows(page_table, page_size, rows)
-  flat = row.reshape(-1)
+  lens = jnp.clip(seq_lens, 0, L).astype(jnp.int32)
+  pos = jnp.arange(L, dtype=jnp.int32)
+  # Positions past the length read zeros, not the rows their pages hold there (stale or
+  # garbage rows: they enter the value product with weight 0, and 0 x NaN is NaN).
+  flat = jnp.where(pos[None, :] < lens[:, None], row, -1).reshape(-1)
   if len(buffers) == 3:
     nope, scale, rope = (reference.gather_rows(x, flat) for x in buffers)
     k = jnp.concatenate([nope.astype(F32), rope.astype(F32)], -1) * scale.astype(F32)
   else:
     k = reference.gather_rows(buffers[0], flat).astype(F32)
   k = k.reshape(B, L, W)
-  lens = jnp.clip(seq_lens, 0, L).astype(jnp.int32)
-  pos = jnp.arange(L, dtype=jnp.int32)
   limit = lens[:, None] - s_q + jnp.arange(s_q, dtype=jnp.int32)[None, :]      # (B, s_q)
   visible = (pos[None, None, :] <= limit[:, :, None]) & valid[:, None, :]      # (B, s_q, L)
   s = jnp.einsum("bjhd,bld->bjhl", q.astype(F32), k, precision=lax.Precision.HIGHEST)

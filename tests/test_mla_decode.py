@@ -133,6 +133,44 @@ def test_empty_and_masked_queries_give_zeros_and_neg_inf(rng):
   assert np.all(np.asarray(out)[np.isneginf(lse)] == 0)
 
 
+def poisoned(cfg, rng, B, s_q, H, P):
+  """A problem whose cache holds NaN / inf rows wherever a query may not look: page 0 (what
+  a masked page id reads), and every row past a sequence's length in its pages (stale rows
+  of a reused page, or garbage that padding tokens wrote). Valid pages are 1..npages-1."""
+  cache = filled_cache(cfg, rng)
+  q, table, lens = problem(cfg, rng, B, s_q, H, P)
+  npages = cfg.rows // cfg.page_size
+  ok = (table >= 0) & (table < npages)
+  table = np.where(ok & (table == 0), 1, table).astype(np.int32)
+  lens[1 % B] = P * cfg.page_size - 3          # a partial last page
+  layer = [np.array(x) for x in cache.layer(0)]
+  bad_rows = set(range(cfg.page_size))
+  for b in range(B):
+    n = min(max(int(lens[b]), 0), P * cfg.page_size)
+    for p in range(n, P * cfg.page_size):
+      page = table[b, p // cfg.page_size]
+      if 0 <= page < npages:
+        bad_rows.add(int(page) * cfg.page_size + p % cfg.page_size)
+  visible = {int(table[b, p // cfg.page_size]) * cfg.page_size + p % cfg.page_size
+             for b in range(B) for p in range(min(max(int(lens[b]), 0), P * cfg.page_size))}
+  bad_rows = sorted(bad_rows - visible)       # (a page may hold one sequence's tail and
+  for i, x in enumerate(layer):               # another's visible rows)
+    x[bad_rows] = np.array(np.nan if i % 2 == 0 else np.inf).astype(x.dtype)
+  return tuple(jnp.asarray(x) for x in layer), q, table, lens
+
+
+@pytest.mark.parametrize("mode", ["bf16", "pth"])
+def test_reference_ignores_garbage_rows_it_may_not_see(mode, rng):
+  """NaN / inf rows on masked pages and past the lengths do not reach the output."""
+  cfg = CONFIGS[mode]
+  layer, q, table, lens = poisoned(cfg, rng, B=3, s_q=2, H=4, P=5)
+  args = dict(sm_scale=0.3, page_size=16, kv_lora_rank=512)
+  got = jax.jit(lambda *a: mc.attention.mla_decode_reference(*a, **args))(
+      layer, q, jnp.asarray(table), jnp.asarray(lens))
+  assert np.all(np.isfinite(np.asarray(got[0], np.float32)))
+  assert_close(got, decode64(layer, q, table, lens, **args))
+
+
 # ----------------------------------------------------------------- bad input
 def test_bad_arguments_raise_clear_errors(rng):
   cfg = CONFIGS["bf16"]
