@@ -133,30 +133,34 @@ def test_empty_and_masked_queries_give_zeros_and_neg_inf(rng):
   assert np.all(np.asarray(out)[np.isneginf(lse)] == 0)
 
 
+def poison(layer, table, lens, page_size):
+  """`layer`'s buffers with NaN / inf rows wherever no query may look: page 0 (what a
+  masked page id reads), and every row past a sequence's length in its pages (stale rows
+  of a reused page, or garbage that padding tokens wrote)."""
+  layer = [np.array(x) for x in layer]
+  npages = layer[0].shape[0] // page_size
+  B, P = table.shape
+  lengths = np.clip(lens, 0, P * page_size)
+  pos = np.arange(P * page_size)
+  pages = table[:, pos // page_size]                            # (B, L)
+  rows = pages * page_size + pos % page_size
+  ok = (pages >= 0) & (pages < npages)
+  seen = ok & (pos[None] < lengths[:, None])
+  hidden = ok & ~seen
+  bad = np.setdiff1d(np.concatenate([np.arange(page_size), rows[hidden]]), rows[seen])
+  for i, x in enumerate(layer):
+    x[bad] = np.array(np.nan if i % 2 == 0 else np.inf).astype(x.dtype)
+  return tuple(jnp.asarray(x) for x in layer)
+
+
 def poisoned(cfg, rng, B, s_q, H, P):
-  """A problem whose cache holds NaN / inf rows wherever a query may not look: page 0 (what
-  a masked page id reads), and every row past a sequence's length in its pages (stale rows
-  of a reused page, or garbage that padding tokens wrote). Valid pages are 1..npages-1."""
+  """A problem (`problem`, valid pages 1..npages-1, one partial last page) on a `poison`ed
+  cache."""
   cache = filled_cache(cfg, rng)
   q, table, lens = problem(cfg, rng, B, s_q, H, P)
-  npages = cfg.rows // cfg.page_size
-  ok = (table >= 0) & (table < npages)
-  table = np.where(ok & (table == 0), 1, table).astype(np.int32)
-  lens[1 % B] = P * cfg.page_size - 3          # a partial last page
-  layer = [np.array(x) for x in cache.layer(0)]
-  bad_rows = set(range(cfg.page_size))
-  for b in range(B):
-    n = min(max(int(lens[b]), 0), P * cfg.page_size)
-    for p in range(n, P * cfg.page_size):
-      page = table[b, p // cfg.page_size]
-      if 0 <= page < npages:
-        bad_rows.add(int(page) * cfg.page_size + p % cfg.page_size)
-  visible = {int(table[b, p // cfg.page_size]) * cfg.page_size + p % cfg.page_size
-             for b in range(B) for p in range(min(max(int(lens[b]), 0), P * cfg.page_size))}
-  bad_rows = sorted(bad_rows - visible)       # (a page may hold one sequence's tail and
-  for i, x in enumerate(layer):               # another's visible rows)
-    x[bad_rows] = np.array(np.nan if i % 2 == 0 else np.inf).astype(x.dtype)
-  return tuple(jnp.asarray(x) for x in layer), q, table, lens
+  table = np.where(table == 0, 1, table).astype(np.int32)
+  lens[1 % B] = P * cfg.page_size - 3
+  return poison(cache.layer(0), table, lens, cfg.page_size), q, table, lens
 
 
 @pytest.mark.parametrize("mode", ["bf16", "pth"])
