@@ -294,7 +294,9 @@ def decode_problem(rng: np.random.Generator, cfg: mc.MLACacheConfig, B: int, s_q
 def gather_attention(cache: mc.MLAKVCache, q, page_table, seq_lens, *, sm_scale: float,
                      implementation: str):
   """The read path without `mla_decode`: `get_mla_kv_buffer` of every context row, then
-  absorbed attention in XLA (bf16 products, float32 softmax), as engines do today."""
+  absorbed attention in XLA (bf16 products, float32 softmax), as engines do today. The
+  nope and rope parts stay separate (two score products): concatenating them first would
+  copy the whole gathered context once more (and slicing the values out of it again)."""
   cfg = cache.config
   B, s_q, H, W = q.shape
   R = cfg.kv_lora_rank
@@ -302,14 +304,16 @@ def gather_attention(cache: mc.MLAKVCache, q, page_table, seq_lens, *, sm_scale:
   rows, valid = mc.attention.positions_rows(page_table, cfg.page_size, cfg.rows)
   nope, rope = mc.get_mla_kv_buffer(cache, 0, rows.reshape(-1), q.dtype,
                                     implementation=implementation)
-  k = jnp.concatenate([nope, rope], -1).reshape(B, L, W)
-  s = jnp.einsum("bjhd,bld->bjhl", q, k, preferred_element_type=jnp.float32) * sm_scale
+  nope, rope = nope.reshape(B, L, R), rope.reshape(B, L, W - R)
+  s = (jnp.einsum("bjhd,bld->bjhl", q[..., :R], nope, preferred_element_type=jnp.float32)
+       + jnp.einsum("bjhd,bld->bjhl", q[..., R:], rope, preferred_element_type=jnp.float32))
+  s = s * sm_scale
   pos = jnp.arange(L)
   limit = seq_lens[:, None] - s_q + jnp.arange(s_q)[None]
   s = jnp.where((pos[None, None] <= limit[..., None])[:, :, None] & valid[:, None, None], s,
                 -jnp.inf)
   p = jax.nn.softmax(s, axis=-1)
-  return jnp.einsum("bjhl,blr->bjhr", p.astype(q.dtype), k[..., :R],
+  return jnp.einsum("bjhl,blr->bjhr", p.astype(q.dtype), nope,
                     preferred_element_type=jnp.float32).astype(q.dtype)
 
 

@@ -306,6 +306,21 @@ def test_kernel_interpret_matches_reference(mode, page_size, B, s_q, H, P, split
   assert_close(got, want)
 
 
+@pytest.mark.parametrize("mode", ["bf16", "pth"])
+def test_bench_gather_baseline_matches_reference(mode, rng):
+  """The benchmark's gather + XLA attention baseline computes SPEC §7 (bf16 products)."""
+  from jax_mla_cache import bench
+  cfg = CONFIGS[mode]
+  cache = filled_cache(cfg, rng, spread=0.5)
+  q, table, lens = problem(cfg, rng, B=3, s_q=2, H=4, P=5)
+  lens = np.maximum(lens, 24)    # (no lse here: every query sees something past page 0)
+  got = jax.jit(lambda *a: bench.gather_attention(*a, sm_scale=0.2, implementation="xla"))(
+      cache, q, jnp.asarray(table), jnp.asarray(lens))
+  want = decode64(cache.layer(0), q, table, lens, sm_scale=0.2, page_size=16,
+                  kv_lora_rank=512)
+  assert_close((got, want[1]), want)
+
+
 def test_kernel_paths_take_what_they_say():
   """converter takes per_token_head with <= 16 query rows, narrow <= 32 query rows, wide
   everything; the default order tries them in that order."""
