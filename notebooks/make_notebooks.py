@@ -50,7 +50,8 @@ caches one *latent row* per token: `kv_lora_rank` latent values ("nope", 512) an
 2. the buffer layout of both storage modes (plain bf16 and `per_token_head` FP8),
 3. the functional API inside a jitted step that donates the cache,
 4. the donation rules: what happens if you reuse a donated cache,
-5. the host offload round trip.
+5. the host offload round trip,
+6. a decode step: the fused RoPE write and the paged attention that reads the cache in place.
 
 It runs on whatever device JAX finds (small sizes, under a minute on CPU). `implementation=None`
 picks the Pallas kernels on Hopper+ GPUs and plain XLA elsewhere.
@@ -218,6 +219,70 @@ dst = np.arange(120, 130, dtype=np.int32)
 fp8_pool.load_cpu_copy(host, dst)
 exact = all(bool((buf[src] == buf[dst]).all()) for layer in fp8_pool.cache.buffers for buf in layer)
 print("rows loaded back into other slots are bit-identical (codes, scales, rope):", exact)
+'''),
+    md("""
+## 6. A decode step that reads the cache in place
+
+A decode step writes each sequence's newest token and attends over its context. The write is
+`rope_set_mla_kv_buffer`: RoPE of the query's and the key's rope parts, the row
+`[k_nope | rope(k_rope)]` stored at `loc`, and the absorbed query `q = [q_nope @ W_UK | rope(q_rope)]`
+returned, in one launch. The read is `mla_decode(cache, layer, q, page_table, seq_lens, sm_scale=...)`:
+sequence b's token at position p lives in row `page_table[b, p // page_size] * page_size +
+p % page_size`; `seq_lens` counts its tokens, the new one included. It returns the attention
+output in the latent space (apply `W_UV` next) and the log-sum-exp. On a Hopper GPU it runs a
+Mosaic GPU kernel over the paged rows; elsewhere the XLA reference, which gathers them. Padding
+entries of a page table are -1 (masked), a padded sequence has `seq_lens` 0 (output 0, lse -inf).
+"""),
+    code('''
+cfg = mc.SMALL.replace(layer_num=1, page_size=16)              # 16-token pages
+cache = mc.init_cache(cfg)
+B, H, R, Rr = 3, 16, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+page_table = np.array([[1, 2, 3], [4, 5, -1], [6, -1, -1]], np.int32)  # -1: padding
+seq_lens = np.array([40, 20, 0], np.int32)                    # sequence 2 is a padded slot
+
+# The context written earlier (prefill): positions 0 .. seq_len - 2 of each live sequence.
+for b in range(2):
+    pos = np.arange(seq_lens[b] - 1)
+    rows = page_table[b, pos // 16] * 16 + pos % 16
+    cache = mc.set_mla_kv_buffer(cache, 0, rows,
+                                 jnp.asarray(rng.standard_normal((len(pos), 1, R)), jnp.bfloat16),
+                                 jnp.asarray(rng.standard_normal((len(pos), 1, Rr)), jnp.bfloat16))
+
+@jax.jit
+def decode_step(cache, loc, positions, q_nope, q_rope, k_nope, k_rope, cos_sin, page_table, seq_lens):
+    cache, q = mc.rope_set_mla_kv_buffer(cache, 0, loc, positions, q_nope, q_rope, k_nope, k_rope,
+                                         cos_sin)                                # (B, H, R + Rr)
+    out, lse = mc.mla_decode(cache, 0, q[:, None], page_table, seq_lens, sm_scale=R ** -0.5)
+    return cache, out, lse
+
+positions = np.maximum(seq_lens - 1, 0)                        # the new token of each sequence
+loc = np.where(seq_lens > 0, page_table[np.arange(B), positions // 16] * 16 + positions % 16, -1)
+cos_sin = jnp.asarray(mc.rope.rope_cos_sin_cache(64, Rr))
+step_args = (jnp.asarray(rng.standard_normal((B, H, R)) * 0.05, jnp.bfloat16),
+             jnp.asarray(rng.standard_normal((B, H, Rr)), jnp.bfloat16),
+             jnp.asarray(rng.standard_normal((B, 1, R)), jnp.bfloat16),
+             jnp.asarray(rng.standard_normal((B, 1, Rr)), jnp.bfloat16))
+cache, out, lse = decode_step(cache, loc, positions, *step_args, cos_sin, page_table, seq_lens)
+print("out", out.shape, out.dtype, "| lse", lse.shape, lse.dtype)
+print("padded sequence: out all 0:", bool((out[2] == 0).all()), "| lse:", float(lse[2, 0, 0]))
+'''),
+    md("""
+The same attention as a copy: `get_mla_kv_buffer` of every context row, then a softmax in
+float32: the copy of every context row is what `mla_decode` saves a serving engine (the H200
+figures: README, Performance).
+"""),
+    code('''
+q = mc.rope_set_mla_kv_buffer(mc.init_cache(cfg), 0, np.full(B, -1), positions, step_args[0],
+                              step_args[1], step_args[2], step_args[3], cos_sin)[1]  # the same q
+ref_out = []
+for b in range(2):
+    pos = np.arange(seq_lens[b])
+    nope, rope = mc.get_mla_kv_buffer(cache, 0, page_table[b, pos // 16] * 16 + pos % 16, jnp.float32)
+    k = jnp.concatenate([nope, rope], -1)[:, 0]                                 # (n, R + Rr)
+    p = jax.nn.softmax(q[b].astype(jnp.float32) @ k.T * R ** -0.5, axis=-1)     # (H, n)
+    ref_out.append(p @ k[:, :R])
+err = max(float(jnp.abs(out[b, 0].astype(jnp.float32) - ref_out[b]).max()) for b in range(2))
+print(f"mla_decode vs gather + softmax: max |difference| {err:.2e} (bf16 output rounding)")
 '''),
     md("""
 Next: `jax_mla_cache.models.mla_demo` runs a small DeepSeek-style model on the cache
