@@ -35,7 +35,8 @@ Layouts (`world` = size of `layout.axis`; `rows` = the logical config's rows):
   logical row r lives on rank `r % world` at local row `r // world` (the global
   array holds rank k's rows at `[k*rows/world, (k+1)*rows/world)`). `loc` is the
   logical row, token arguments are replicated; each rank maps the tokens it does
-  not own to slot -1, which the ops skip, and reads are combined across ranks.
+  not own to slot -1, which the ops skip, and reads are combined across ranks
+  (`mla_decode`: each rank attends the positions it holds, merged by lse).
   Page p's rows are local page p of every rank (local page size
   `page_size / world`), so page moves need no communication; a token move whose
   source and target live on different ranks goes through one all-reduce.
@@ -432,9 +433,11 @@ def _prepare_decode(cache: ShardedMLAKVCache, arguments: dict) -> None:
   except TypeError:
     raise TypeError(f"mla_decode: sm_scale must be a float, got {type(sm_scale).__name__}") \
         from None
-  shard = MLAKVCache(buffers=(), config=cache.layout.shard_config(cache.cache.config))
+  # The geometry the page table addresses: a rank's pool (data_parallel) or the logical
+  # cache (context_parallel: logical pages, lengths up to P * page_size).
+  view = MLAKVCache(buffers=(), config=cache.config)
   arguments["page_table"], arguments["seq_lens"] = attention.check_decode_args(
-      shard, arguments["q"], arguments["page_table"], arguments["seq_lens"], "mla_decode")
+      view, arguments["q"], arguments["page_table"], arguments["seq_lens"], "mla_decode")
 
 
 def _context_parallel_move(layout: ShardedLayout, storage: MLACacheConfig, local: MLAKVCache,
@@ -464,6 +467,43 @@ def _context_parallel_move(layout: ShardedLayout, storage: MLACacheConfig, local
   return local.with_flat_buffers(tuple(
       reference.scatter_rows(b, write, x) for b, x in zip(local.flat_buffers(), travelling)
   ))
+
+
+def _context_parallel_decode(layout: ShardedLayout, storage: MLACacheConfig,
+                             local: MLAKVCache, *, q, page_table, seq_lens, sm_scale,
+                             implementation) -> tuple[jax.Array, jax.Array]:
+  """mla_decode with interleaved rows: every rank attends the positions it holds, then the
+  ranks' partial results are merged by their lse (two all-reduces of (B, s_q, H, R)).
+
+  Position p of a sequence lives on rank p % world at local position p // world, in the
+  same page-table column (local page size page_size / world), so rank k's part of query j
+  is an ordinary decode over its first n = #{p = k (mod world), p <= seq_len - s_q + j}
+  local positions. With s_q > 1 those counts differ per query by other than one, so each
+  query runs as a sequence of its own (s_q = 1): the rank's rows are read once a query.
+  """
+  world = layout.world
+  rank = lax.axis_index(layout.axis)
+  B, s_q, H, W = q.shape
+  R = storage.kv_lora_rank
+  last = seq_lens[:, None] - s_q + jnp.arange(s_q, dtype=jnp.int32)[None, :] - rank
+  visible = jnp.where(last >= 0, last // world + 1, 0)                         # (B, s_q)
+  if s_q == 1:
+    out, lse = attention.mla_decode(local, 0, q, page_table, visible[:, 0], sm_scale=sm_scale,
+                                    implementation=implementation)
+  else:
+    out, lse = attention.mla_decode(
+        local, 0, q.reshape(B * s_q, 1, H, W), jnp.repeat(page_table, s_q, axis=0),
+        visible.reshape(B * s_q), sm_scale=sm_scale, implementation=implementation)
+    out, lse = out.reshape(B, s_q, H, R), lse.reshape(B, s_q, H)
+  top = lax.pmax(lse, layout.axis)
+  top = jnp.where(jnp.isneginf(top), 0.0, top)
+  weight = jnp.exp(lse - top)                              # 0 where a rank saw nothing
+  total = lax.psum(weight, layout.axis)
+  merged = lax.psum(weight[..., None] * out.astype(jnp.float32), layout.axis)
+  has = total > 0
+  safe = jnp.where(has, total, 1.0)
+  out = jnp.where(has[..., None], merged / safe[..., None], 0.0).astype(q.dtype)
+  return out, jnp.where(has, top + jnp.log(safe), -jnp.inf)
 
 
 _LAYOUT_ROWS = "rows as the layout defines them (module docstring)"
@@ -507,15 +547,15 @@ OPS: dict[str, ShardedOp] = {op.name: op for op in (
     ShardedOp(
         attention.mla_decode, dict(q=TOKENS, page_table=TOKENS, seq_lens=TOKENS),
         (TOKENS, TOKENS), per_layer=True, prepare=_prepare_decode,
-        context_parallel=(
-            "mla_decode: context_parallel caches interleave a sequence's rows over the ranks; "
-            "combining the ranks' partial attention is not implemented (use data_parallel, "
-            "replicated or pipeline layouts)"),
+        context_parallel=_context_parallel_decode,
         doc="Each shard attends its own sequences. data_parallel: q (B, s_q, H, R+Rr), "
             "page_table (B, P) and seq_lens (B,) are a global batch split along the axis "
             "(B % world == 0); rank k's page ids address its own pool. replicated: every "
-            "rank computes the whole batch. pipeline: runs on `layer_id`'s stage. Returns "
-            "(out, lse) laid out like q. context_parallel raises NotImplementedError."),
+            "rank computes the whole batch. pipeline: runs on `layer_id`'s stage. "
+            "context_parallel: the arrays are replicated and address the logical cache; "
+            "each rank attends the positions it holds (p % world == rank) and the partial "
+            "results are merged by their lse over the axis (s_q > 1: each query's positions "
+            "read separately). Returns (out, lse) laid out like q."),
 )}
 """The ops of this module that run an unsharded op on every shard, by name."""
 
@@ -544,7 +584,8 @@ def _program(op: ShardedOp, cache: ShardedMLAKVCache, arrays: dict[str, Any],
   override = layout.kind == "context_parallel" and callable(op.context_parallel)
   if override:
     def run(local, **values):
-      return (op.context_parallel(layout, storage.config, local, **values, **static),)
+      out = op.context_parallel(layout, storage.config, local, **values, **static)
+      return out if len(op.results) > 1 else (out,)
   else:
     def run(local, **values):
       out = op.local(local, *layer, **values, **static)

@@ -387,13 +387,45 @@ def test_mla_decode_per_shard_matches_unsharded(kind, implementation, rng):
     np.testing.assert_array_equal(np.asarray(lse)[k * per:(k + 1) * per], np.asarray(want[1]))
 
 
-def test_mla_decode_context_parallel_is_refused(rng):
-  lay = layout("context_parallel", jax.devices()[:4])
-  cache = sh.init_sharded_cache(PLAIN.replace(page_size=8, size=120), lay)
-  q = jnp.zeros((1, 1, 2, 80), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="context_parallel"):
-    sh.mla_decode(cache, 0, q, np.zeros((1, 2), np.int32), np.ones((1,), np.int32),
-                  sm_scale=1.0)
+@pytest.mark.parametrize("world,s_q,quant,implementation", [
+    (4, 1, None, "xla"), (4, 3, None, "xla"), (8, 2, "per_token_head", "xla"),
+    (2, 1, None, "pallas"), (2, 2, "per_token_head", "pallas")])  # kernels interpreted per shard
+def test_mla_decode_context_parallel_matches_the_logical_cache(world, s_q, quant,
+                                                                implementation, rng):
+  """Interleaved rows: each rank attends the positions it holds, the lse merge equals the
+  unsharded op on the logical cache (hostile page ids and lengths included)."""
+  cfg = mc.MLACacheConfig(size=448, page_size=64, kv_lora_rank=128, qk_rope_head_dim=64,
+                          layer_num=2)
+  if quant:
+    cfg = cfg.replace(dtype=jnp.float8_e4m3fn, quant_method=quant)
+  lay = layout("context_parallel", jax.devices()[:world])
+  cache = sh.init_sharded_cache(cfg, lay)
+  loc = rng.permutation(cfg.rows)[:400].astype(np.int32)
+  nope, rope = rows_input(rng, len(loc), 128), rows_input(rng, len(loc), 64)
+  cache = sh.set_mla_kv_buffer(cache, 1, loc, nope, rope, implementation="xla")
+  npages = cfg.rows // cfg.page_size
+  B = 5
+  table = rng.integers(0, npages, (B, 3)).astype(np.int32)
+  table[1, 1], table[2, 0] = npages + 3, -1                        # masked pages
+  lens = np.array([192, 150, 70, 2, -5], np.int64)
+  lens[3] = 2**33 + 7                                              # clamped, never wrapped
+  q = jnp.asarray(rng.standard_normal((B, s_q, 16, 192)) * 0.1, jnp.bfloat16)
+  out, lse = sh.mla_decode(cache, 1, q, table, lens, sm_scale=0.3, implementation=implementation)
+  chex_shapes = (out.shape, lse.shape)
+  assert chex_shapes == ((B, s_q, 16, 128), (B, s_q, 16))
+  logical = mc.MLAKVCache(
+      buffers=tuple(tuple(jnp.asarray(b) for b in layer) for layer in logical_pools(cache)[0]),
+      config=cfg)
+  want_out, want_lse = mc.mla_decode(logical, 1, q, table, lens, sm_scale=0.3,
+                                     implementation="xla")
+  want_out, want_lse = np.asarray(want_out, np.float64), np.asarray(want_lse)
+  got_out, got_lse = np.asarray(out, np.float64), np.asarray(lse)
+  np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
+  assert np.isneginf(got_lse[4]).all() and (got_out[4] == 0).all()
+  finite = np.isfinite(want_lse)
+  np.testing.assert_allclose(got_lse[finite], want_lse[finite], rtol=1e-5, atol=1e-4)
+  err = np.sqrt(np.sum((got_out - want_out) ** 2) / np.sum(want_out ** 2))
+  assert err < 1e-2, err
 
 
 @pytest.mark.parametrize("kind", KINDS)
