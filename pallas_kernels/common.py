@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -240,6 +241,32 @@ def interpret_params() -> plgpu.InterpretGPUParams:
 _INTERPRET_LOCK = threading.Lock()
 
 
+class InterpretWarning(UserWarning):
+  """Interpret mode in a set-up where it may hang (`_warn_single_cpu_device`)."""
+
+
+@functools.cache
+def _warn_single_cpu_device() -> None:
+  """Warn once when kernels are interpreted with a single CPU device.
+
+  The interpreter runs a kernel's warpgroups as threads that wait on each other's barriers.
+  With one host CPU device on a 2-core machine, loops of calls of the four-warpgroup
+  per_token_head decode kernel hung in 4 of 5 tries (after 1-6 calls: two warpgroups
+  waiting on barriers, the other two never running) and each call took ~7x longer; with
+  ``--xla_force_host_platform_device_count=4`` or ``8`` (as `tests/conftest.py` sets) 24
+  calls in a row completed. (Session 2026-12-05, jax 0.11.2.)"""
+  try:
+    single = len(jax.devices("cpu")) == 1
+  except RuntimeError:
+    return
+  if single:
+    warnings.warn(
+        "Pallas interpret mode with a single CPU device can hang (kernels whose warpgroups "
+        "wait on each other); start Python with "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=8, as the tests do.",
+        InterpretWarning, stacklevel=2)
+
+
 def dispatch(build: Callable[[bool], Callable[..., Any]], *args):
   """Run ``build(interpret)(*args)``: the real kernel for CUDA, interpret mode elsewhere.
 
@@ -264,6 +291,7 @@ def dispatch(build: Callable[[bool], Callable[..., Any]], *args):
     interpreted = jax.jit(interpreted)
 
   def run_interpreted(*x):
+    _warn_single_cpu_device()
     with _INTERPRET_LOCK:
       return jax.device_get(interpreted(*x))
 

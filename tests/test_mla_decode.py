@@ -3,6 +3,8 @@ kernel (interpret mode on CPU, real on the GPU) against the reference, bad input
 kernel's CUDA lowering."""
 
 
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -319,6 +321,17 @@ def test_bench_gather_baseline_matches_reference(mode, rng):
   want = decode64(cache.layer(0), q, table, lens, sm_scale=0.2, page_size=16,
                   kv_lora_rank=512)
   assert_close((got, want[1]), want)
+
+
+def test_interpreting_on_one_cpu_device_warns(monkeypatch):
+  common = kernel.common
+  monkeypatch.setattr(jax, "devices", lambda backend=None: [object()])
+  with pytest.warns(common.InterpretWarning, match="device_count=8"):
+    common._warn_single_cpu_device.__wrapped__()
+  monkeypatch.setattr(jax, "devices", lambda backend=None: [object()] * 8)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    common._warn_single_cpu_device.__wrapped__()
 
 
 def test_kernel_paths_take_what_they_say():
