@@ -2,6 +2,9 @@
 the value product) on the H200: lengths that end mid-block (the zeroing runs once per
 sequence and split) and whole blocks (only the scalar test runs). Each case twice per flag.
 On CPU: tiny shapes, correctness only."""
+import os
+# Several CPU devices: interpret mode on one can hang (pallas_kernels.common.InterpretWarning).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax, jax.numpy as jnp, numpy as np
 import jax_mla_cache as mc
 from jax_mla_cache import bench
