@@ -41,7 +41,8 @@ from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, DecodeConfig, Geometr
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, copy_block,
                                              masked_positions, online_softmax, page_flags,
                                              page_table, produce, program_blocks, prologue,
-                                             publish_weights, softmax_end, softmax_start)
+                                             publish_weights, softmax_end, softmax_start,
+                                             zero_masked_rows)
 from pallas_kernels.mla_decode_narrow import CONVERT_LAYOUT, SMEM_LIMIT
 
 MAX_ROWS = 16
@@ -108,9 +109,12 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       """TMA copies of the program's block i of `src` into `dst`, through the page table."""
       copy_block(pt_ref, b, first + i, ((src, dst, ()),), barrier, page_size=page_size, P=P)
 
-    def accumulate_values(acc, j, cols):
-      """acc (half, N) += V^T . P over the value columns `cols` (a half) of tile j, after
-      rescaling acc by the block's alpha."""
+    def accumulate_values(acc, i, cols, bad):
+      """acc (half, N) += V^T . P over the value columns `cols` (a half) of block i's tile
+      (`bad`: its `page_flags`), after rescaling acc by the block's alpha. Block i's scores
+      are done (P is published): the calling warpgroup alone reads these columns now."""
+      j = lax.rem(i, 2)
+      zero_masked_rows(tiles.at[j, :, cols], first + i, length, bad, page_size=page_size)
       values_t = tiles.at[j, :, cols].transpose((1, 0))
       p_t = p_smem.transpose((1, 0))
       alpha = plgpu.load(alpha_smem, layout=col_vec)
@@ -139,10 +143,11 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
     def values_of(i, acc):
       """Warpgroup 1: its half of block i's values, once warpgroup 0 has written P."""
       j = lax.rem(i, 2)
+      bad = page_flags(ok_ref, b, first + i, page_size=page_size, P=P)   # (loaded early)
       with jax.named_scope("wait_p"):
         plgpu.barrier_wait(p_ready)
       with jax.named_scope("values"):
-        acc = accumulate_values(acc, j, pl.ds(half, half))
+        acc = accumulate_values(acc, i, pl.ds(half, half), bad)
       plgpu.barrier_arrive(tile_free.at[j])
       plgpu.barrier_arrive(p_free)
       return acc
@@ -192,12 +197,13 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
             pos = masked_positions(tok, first + i, bad, page_size=page_size)
             s = jnp.where(pos <= limit, s * row_scale * score_scale, -jnp.inf)
             m_i, alpha, p, l_part = online_softmax(s, m_i, l_part, 0)
-            p = p * row_scale
+            # (a masked row's scale may be NaN or inf: its weight 0 must stay 0)
+            p = jnp.where(pos <= limit, p * row_scale, 0.0)
           with jax.named_scope("publish"):
             publish_weights(i, p, alpha, p_smem=p_smem, alpha_smem=alpha_smem, p_free=p_free,
                             p_ready=p_ready)
           with jax.named_scope("values"):
-            acc = accumulate_values(acc, j, pl.ds(0, half))
+            acc = accumulate_values(acc, i, pl.ds(0, half), bad)
           plgpu.barrier_arrive(tile_free.at[j])
           return acc, m_i, l_part
 

@@ -53,7 +53,7 @@ from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_f
                                              masked_positions, online_softmax, page_flags,
                                              page_table, program_blocks, prologue,
                                              publish_weights, ring_loader, softmax_end,
-                                             softmax_start)
+                                             softmax_start, zero_masked_rows)
 
 MAX_ROWS = 32       # query rows (s_q x H) this path takes
 SMEM_LIMIT = 227 * 1024
@@ -137,10 +137,14 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
       plgpu.barrier_arrive(sync_bar)
       plgpu.barrier_wait(sync_bar)
 
+    def values_tile(slot):
+      """This warpgroup's half of the value columns of the block in `slot`."""
+      return key_tile.at[:, col0] if quantized else kv_smem.at[slot, :, col0]
+
     def accumulate_values(acc, slot):
       """acc (half, N) += V^T . P over this warpgroup's half of the value columns."""
-      values = (key_tile.at[:, col0] if quantized else kv_smem.at[slot, :, col0])
-      return accumulate(acc, values.transpose((1, 0)), p_smem.transpose((1, 0)), interpret)
+      return accumulate(acc, values_tile(slot).transpose((1, 0)), p_smem.transpose((1, 0)),
+                        interpret)
 
     ring_io = ring_loader(wg == 1, planes, ring, kv_bar=kv_bar, free_bar=free_bar,
                           stages=stages, pt_ref=pt_ref, b=b, first=first, n_steps=n_steps,
@@ -182,7 +186,8 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
         s = jnp.where(pos <= limit, s * score_scale, -jnp.inf)
         m_i, alpha, p, l_part = online_softmax(s, m_i, l_part, 0)
         if quantized:
-          p = p * row_scale
+          # (a masked row's scale may be NaN or inf: its weight 0 must stay 0)
+          p = jnp.where(pos <= limit, p * row_scale, 0.0)
           # The raw planes are consumed (nope converted by both warpgroups before this
           # step, rope read by the score product, scales loaded).
           plgpu.barrier_arrive(free_bar.at[slot])
@@ -228,6 +233,9 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
           def _():
             plgpu.barrier_wait(p_ready)
         with jax.named_scope("values"):
+          # The block's scores are done (P is published): each warpgroup alone reads its
+          # half of the value columns from here on.
+          zero_masked_rows(values_tile(slot), first + i, length, bad, page_size=page_size)
           alpha = plgpu.load(alpha_smem, layout=col_vec)
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
           acc = accumulate_values(acc, slot)

@@ -193,6 +193,40 @@ def masked_positions(idx, block, bad, *, page_size: int):
   return pos + penalty
 
 
+# Temporary (branch masked-values): off only for exp/ab_masked.py's A/B on the H200; the
+# flag goes once the cost is measured.
+ZERO_MASKED = True
+
+
+def zero_masked_rows(tile, block, length, bad, *, page_size: int) -> None:
+  """Rows of KV block `block`'s value columns `tile` (a (BLOCK_KV, C) shared-memory view)
+  that no query may see -- positions at or past `length`, or on a masked page (`bad`:
+  `page_flags`) -- set to 0, then committed for the tensor cores (`commit_smem`).
+
+  Such rows enter the value product with weight 0, and 0 x NaN is NaN: past the length
+  they hold whatever the page held before (stale rows, garbage written by padding tokens),
+  and a masked page is read as page 0, the padding page. Only a block that has such rows
+  pays (the last block of a sequence, or one with a masked page). The calling warpgroup
+  must be the only reader of these columns until the call returns.
+  """
+  if not ZERO_MASKED:
+    return
+  has = (block + 1) * BLOCK_KV > length
+  for flag in bad:
+    has = jnp.logical_or(has, flag > 0)
+
+  @pl.when(has)
+  def _():
+    for c in range(0, tile.shape[-1], CONVERT_COLS):
+      chunk = tile.at[:, pl.ds(c, CONVERT_COLS)]
+      rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, CONVERT_COLS), 0,
+                                    layout=plgpu.Layout.WGMMA)
+      pos = masked_positions(rows, block, bad, page_size=page_size)
+      x = plgpu.load(chunk, layout=plgpu.Layout.WGMMA)
+      chunk[...] = jnp.where(pos < length, x, jnp.zeros_like(x))
+    plgpu.commit_smem()
+
+
 def online_softmax(s, m_i, l_part, axis: int):
   """One block of the online softmax along `axis` of the (masked, log2-scaled) scores s.
 

@@ -57,7 +57,8 @@ from pallas_kernels.mla_decode import (BLOCK_KV, LN2, DecodeConfig, Geometry,
                                        combine, num_sms, split_count)
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, kv_scratch,
                                              masked_positions, page_flags, page_table,
-                                             program_blocks, prologue, ring_loader)
+                                             program_blocks, prologue, ring_loader,
+                                             zero_masked_rows)
 
 BLOCK_M = 64        # query rows per tile (a wgmma's M)
 HALF_KV = BLOCK_KV // 2
@@ -195,15 +196,18 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
         alpha = jnp.exp2(m_i - m_use)
         p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
         l_i = l_i * alpha + p.sum(axis=1)
-        pv = (p * col_scale if quantized else p).astype(dtype)
+        # (a masked column's scale may be NaN or inf: its weight 0 must stay 0)
+        pv = (jnp.where(pos <= limit, p * col_scale, 0.0) if quantized else p).astype(dtype)
         # Exchange 2: the weights.
         p_smem.at[own].transpose((1, 0))[...] = pv
         plgpu.commit_smem()
         with jax.named_scope("sync_p"):
           sync_compute()
         with jax.named_scope("values"):
-          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
           values = key_tile if quantized else kv_smem.at[slot]
+          # Both score products are done: this warpgroup alone reads its value columns.
+          zero_masked_rows(values.at[:, col0], block, length, bad, page_size=page_size)
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
           acc = accumulate(acc, p_smem.transpose((1, 0)), values.at[:, col0], interpret)
         if not quantized:
           plgpu.barrier_arrive(free_bar.at[slot])

@@ -334,6 +334,23 @@ def test_interpreting_on_one_cpu_device_warns(monkeypatch):
     common._warn_single_cpu_device.__wrapped__()
 
 
+@pytest.mark.parametrize("mode,page_size,s_q,H,path", [
+    ("bf16", 16, 2, 8, "narrow"), ("bf16", 64, 1, 16, "wide"), ("pth", 32, 2, 8, "narrow"),
+    ("pth", 64, 1, 16, "wide"), ("pth", 32, 1, 16, "converter")])
+def test_kernel_interpret_ignores_garbage_rows_it_may_not_see(mode, page_size, s_q, H, path,
+                                                              rng):
+  """NaN / inf rows on page 0 (masked pages read it) and past every length (in the last
+  block) do not reach the kernels' outputs."""
+  cfg = CONFIGS[mode].replace(page_size=page_size, size=1024 - page_size + 16 * page_size)
+  layer, q, table, lens = poisoned(cfg, rng, B=3, s_q=s_q, H=H, P=128 // page_size)
+  args = dict(sm_scale=0.2, page_size=page_size, kv_lora_rank=512)
+  config = kernel.DecodeConfig(path=path)
+  got = jax.jit(lambda *a: kernel.mla_decode(*a, num_splits=2, config=config, **args))(
+      layer, q, jnp.asarray(table), jnp.asarray(lens))
+  assert np.all(np.isfinite(np.asarray(got[0], np.float32)))
+  assert_close(got, decode64(layer, q, table, lens, **args))
+
+
 def test_kernel_paths_take_what_they_say():
   """converter takes per_token_head with <= 16 query rows, narrow <= 32 query rows, wide
   everything; the default order tries them in that order."""
@@ -509,6 +526,27 @@ def test_gpu_kernel_hostile_page_tables_and_page_sizes(mode, page_size, s_q, H):
   want = tuple(np.asarray(x, np.float64) for x in want)
   for path in _paths_taking(cache, q, table):
     assert_close(_kernel_path(cache, q, table, lens, path), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,page_size,s_q,H", [
+    ("bf16", 16, 2, 16), ("pth", 32, 1, 16), ("pth", 64, 2, 16), ("bf16", 64, 1, 128),
+    ("pth", 64, 2, 128)])
+def test_gpu_kernel_ignores_garbage_rows_it_may_not_see(mode, page_size, s_q, H):
+  """Hostile page tables on a cache with NaN / inf on page 0 and past every length: every
+  path that takes the call gives finite outputs equal to the reference's."""
+  rng = np.random.default_rng(page_size + H)
+  cache, q, table, lens = _gpu_case(mode, 12, s_q, H, 3000, page_size, rng, hostile=True)
+  table = np.where(table == 0, 1, table).astype(np.int32)
+  cache = mc.MLAKVCache(buffers=(poison(cache.layer(0), table, lens, page_size),),
+                        config=cache.config)
+  want = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.07, implementation="xla")
+  want = tuple(np.asarray(x, np.float64) for x in want)
+  assert np.all(np.isfinite(want[0]))
+  for path in _paths_taking(cache, q, table):
+    got = _kernel_path(cache, q, table, lens, path)
+    assert np.all(np.isfinite(np.asarray(got[0], np.float32))), path
+    assert_close(got, want)
 
 
 @pytest.mark.gpu
