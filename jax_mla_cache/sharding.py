@@ -69,6 +69,7 @@ from jax_mla_cache import attention, dispatch, offload, reference, rope_write
 from jax_mla_cache.config import MLACacheConfig
 from jax_mla_cache.dispatch import Implementation  # noqa: F401 (the generated ops' annotations)
 from jax_mla_cache.state import MLAKVCache, init_cache
+from pallas_kernels.mla_decode import finish_lse_merge
 
 LayoutKind = Literal["data_parallel", "pipeline", "replicated", "context_parallel"]
 LAYOUT_KINDS = ("data_parallel", "pipeline", "replicated", "context_parallel")
@@ -500,10 +501,8 @@ def _context_parallel_decode(layout: ShardedLayout, storage: MLACacheConfig,
   weight = jnp.exp(lse - top)                              # 0 where a rank saw nothing
   total = lax.psum(weight, layout.axis)
   merged = lax.psum(weight[..., None] * out.astype(jnp.float32), layout.axis)
-  has = total > 0
-  safe = jnp.where(has, total, 1.0)
-  out = jnp.where(has[..., None], merged / safe[..., None], 0.0).astype(q.dtype)
-  return out, jnp.where(has, top + jnp.log(safe), -jnp.inf)
+  out, lse = finish_lse_merge(top, total, merged)
+  return out.astype(q.dtype), lse
 
 
 _LAYOUT_ROWS = "rows as the layout defines them (module docstring)"

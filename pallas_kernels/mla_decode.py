@@ -216,6 +216,17 @@ def mla_decode(buffers, q, page_table, seq_lens, *, sm_scale: float, page_size: 
 UNROLLED_SPLITS = 8   # `combine` merges up to this many splits with elementwise ops only
 
 
+def finish_lse_merge(m, den, num, per_row=lambda x: x[..., None]):
+  """The last step of merging partial attention results by their lse: from the largest lse
+  `m` (0 where every part saw nothing), the weights' sum `den` = sum_s exp(lse_s - m) and
+  the weighted sum `num` = sum_s exp(lse_s - m) out_s (float32), returns (num / den, 0 where
+  den is 0; lse = m + ln den, -inf there). `per_row` broadcasts a (.., Q) value against
+  `num`. Used by `combine` (splits) and the context-parallel merge over ranks."""
+  has = den > 0
+  merged = num * per_row(jnp.where(has, 1.0 / jnp.where(has, den, 1.0), 0.0))
+  return merged, jnp.where(has, m + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf)
+
+
 def combine(out, lse, dtype, *, rows_last: bool = False):
   """Merge the splits' partial results by their lse.
 
@@ -255,9 +266,7 @@ def combine(out, lse, dtype, *, rows_last: bool = False):
     # default (not full float32) precision.
     split_rows = weights[:, :, None, :] if rows_last else weights[..., None]
     num = (split_rows * out.astype(F32)).sum(axis=1)
-  has = den > 0
-  merged = num * per_row(jnp.where(has, 1.0 / jnp.where(has, den, 1.0), 0.0))
-  total = jnp.where(has, m + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf)
+  merged, total = finish_lse_merge(m, den, num, per_row)
   if rows_last:
     merged = merged.swapaxes(1, 2)
   return merged.astype(dtype), total
