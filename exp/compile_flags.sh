@@ -4,10 +4,12 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PAR="--xla_gpu_enable_llvm_module_compilation_parallelism=true"
 NOAT="--xla_gpu_autotune_level=0"
+NOTRITON="--xla_gpu_enable_triton_gemm=false"
 VARIANTS=${VARIANTS:-"default parallel autotune0 both default parallel"}
 for name in $VARIANTS; do
   case $name in default) flags="";; parallel) flags="$PAR";; autotune0) flags="$NOAT";;
-    both) flags="$PAR $NOAT";; esac
+    both) flags="$PAR $NOAT";; notriton) flags="$NOTRITON";; par_notriton) flags="$PAR $NOTRITON";;
+  esac
   d=$(mktemp -d)
   echo "== $name: XLA_FLAGS='$flags'"
   JAX_COMPILATION_CACHE_DIR=$d XLA_FLAGS="$flags" timeout ${RUN_TIMEOUT:-120} python3 -m jax_mla_cache demo \
