@@ -12,7 +12,9 @@ from jax_mla_cache import bench
 from pallas_kernels import mla_decode as kernel, mla_decode_converter as conv
 
 on_gpu = jax.default_backend() == "gpu"
-cases = [(64, 4096), (128, 4096), (128, 16384)] if on_gpu else [(2, 200)]
+cases = ([tuple(map(int, c.split(","))) for c in
+          os.environ.get("AB_CASES", "64,4096;128,4096;128,16384").split(";")]
+         if on_gpu else [(2, 200)])
 base = mc.DEEPSEEK_V3.replace(layer_num=1)
 for B, ctx in cases:
   rng = np.random.default_rng(0)

@@ -205,8 +205,9 @@ def zero_masked_rows(tile, block, length, bad, *, page_size: int,
 
   With `n_masked` (the sequence's `PageTable.n_masked`), `bad` is a function that loads the
   flags, called only in a block that may need them (past the length, or in a sequence
-  with a masked page): a warpgroup that does not need the flags for its scores skips
-  their loads and the per-block test (the converter's value warpgroup).
+  with a masked page; the rows are then zeroed only if the block has such rows): a
+  warpgroup that does not need the flags for its scores skips their loads and the test
+  in the other blocks (the converter's value warpgroup).
 
   Such rows enter the value product with weight 0, and 0 x NaN is NaN: past the length
   they hold whatever the page held before (stale rows, garbage written by padding tokens),
@@ -216,24 +217,31 @@ def zero_masked_rows(tile, block, length, bad, *, page_size: int,
   (`logs/2026-12-05_ab_masked.log`, with and without): +0.5-2% on the narrow and wide
   paths, +2-3.6% on the converter.
   """
-  has = (block + 1) * BLOCK_KV > length
-  if n_masked is None:
-    for flag in bad:
-      has = jnp.logical_or(has, flag > 0)
-  else:
-    has = jnp.logical_or(has, n_masked > 0)
+  past = (block + 1) * BLOCK_KV > length
 
-  @pl.when(has)
+  def zero_if_masked(flags):
+    has = past
+    for flag in flags:
+      has = jnp.logical_or(has, flag > 0)
+
+    @pl.when(has)
+    def _():
+      for c in range(0, tile.shape[-1], CONVERT_COLS):
+        chunk = tile.at[:, pl.ds(c, CONVERT_COLS)]
+        rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, CONVERT_COLS), 0,
+                                      layout=plgpu.Layout.WGMMA)
+        pos = masked_positions(rows, block, flags, page_size=page_size)
+        x = plgpu.load(chunk, layout=plgpu.Layout.WGMMA)
+        chunk[...] = jnp.where(pos < length, x, jnp.zeros_like(x))
+      plgpu.commit_smem()
+
+  if n_masked is None:
+    zero_if_masked(bad)
+    return
+
+  @pl.when(jnp.logical_or(past, n_masked > 0))
   def _():
-    flags = bad() if n_masked is not None else bad
-    for c in range(0, tile.shape[-1], CONVERT_COLS):
-      chunk = tile.at[:, pl.ds(c, CONVERT_COLS)]
-      rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, CONVERT_COLS), 0,
-                                    layout=plgpu.Layout.WGMMA)
-      pos = masked_positions(rows, block, flags, page_size=page_size)
-      x = plgpu.load(chunk, layout=plgpu.Layout.WGMMA)
-      chunk[...] = jnp.where(pos < length, x, jnp.zeros_like(x))
-    plgpu.commit_smem()
+    zero_if_masked(bad())
 
 
 def online_softmax(s, m_i, l_part, axis: int):
