@@ -57,9 +57,6 @@ def _smem_bytes(geo: Geometry) -> int:
           + n * BLOCK_KV * size + 2 * 4 * n + 2048)   # P, alpha/sum, barriers and slack
 
 
-FLAGS_BY_SEQUENCE = True   # TEMPORARY (A/B on the H200): False = the per-block flag loads
-
-
 def takes(geo: Geometry, config: DecodeConfig) -> str | None:
   """None when this path runs the call, else why not."""
   del config
@@ -153,14 +150,9 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       with jax.named_scope("wait_p"):
         plgpu.barrier_wait(p_ready)
       with jax.named_scope("values"):
-        if FLAGS_BY_SEQUENCE:
-          acc = accumulate_values(
-              acc, i, pl.ds(half, half),
-              lambda: page_flags(ok_ref, b, first + i, page_size=page_size, P=P), n_masked)
-        else:
-          acc = accumulate_values(
-              acc, i, pl.ds(half, half),
-              page_flags(ok_ref, b, first + i, page_size=page_size, P=P))
+        acc = accumulate_values(
+            acc, i, pl.ds(half, half),
+            lambda: page_flags(ok_ref, b, first + i, page_size=page_size, P=P), n_masked)
       plgpu.barrier_arrive(tile_free.at[j])
       plgpu.barrier_arrive(p_free)
       return acc

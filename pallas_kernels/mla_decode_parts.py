@@ -215,7 +215,8 @@ def zero_masked_rows(tile, block, length, bad, *, page_size: int,
   pays (the last block of a sequence, or one with a masked page). The calling warpgroup
   must be the only reader of these columns until the call returns. H200
   (`logs/2026-12-05_ab_masked.log`, with and without): +0.5-2% on the narrow and wide
-  paths, +2-3.6% on the converter.
+  paths, +2-3.6% on the converter before it passed `n_masked` (0.3-1.5% less,
+  `logs/2026-12-05b_ab_converter_flags.log`).
   """
   past = (block + 1) * BLOCK_KV > length
 
