@@ -156,6 +156,20 @@ def _path(name: str):
   return importlib.import_module(f"pallas_kernels.mla_decode_{name}")
 
 
+def make_meta(page_table, seq_lens, *, n_pages: int, page_size: int):
+  """The kernels' one page-table operand (B, P + 2) int32 (`mla_decode_parts.PageTable`)
+  from the user's page table (B, P) and lengths (B,), in one XLA fusion. Any integer
+  dtype: ids are range-checked before any narrowing, so 64-bit ids cannot wrap into
+  range."""
+  P = page_table.shape[1]
+  pages = jnp.where((page_table >= 0) & (page_table < n_pages), page_table, -1)
+  lens = jnp.clip(seq_lens, 0, P * page_size)
+  under = jnp.arange(P)[None, :] * page_size < lens[:, None]
+  n_masked = jnp.sum((pages < 0) & under, axis=1)
+  return jnp.concatenate([pages.astype(jnp.int32), lens.astype(jnp.int32)[:, None],
+                          n_masked.astype(jnp.int32)[:, None]], axis=1)
+
+
 def mla_decode(buffers, q, page_table, seq_lens, *, sm_scale: float, page_size: int,
                kv_lora_rank: int, num_splits: int | None = None,
                config: DecodeConfig | None = None):
@@ -196,12 +210,7 @@ def mla_decode(buffers, q, page_table, seq_lens, *, sm_scale: float, page_size: 
   else:
     raise common.Unsupported("; ".join(reasons))
 
-  # One int32 operand (a single XLA fusion): page ids, out-of-range ones as -1 (checked
-  # before any narrowing, so 64-bit ids cannot wrap into range), and the clamped lengths.
-  n_pages = rows // page_size
-  pages = jnp.where((page_table >= 0) & (page_table < n_pages), page_table, -1)
-  lens = jnp.clip(seq_lens, 0, geo.P * page_size)
-  meta = jnp.concatenate([pages.astype(jnp.int32), lens.astype(jnp.int32)[:, None]], axis=1)
+  meta = make_meta(page_table, seq_lens, n_pages=rows // page_size, page_size=page_size)
   if geo.quantized:
     nope, scale, rope = buffers
     operands = (nope.reshape(rows, geo.R), scale.reshape(rows), rope.reshape(rows, geo.Rr))

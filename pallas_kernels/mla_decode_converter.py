@@ -73,7 +73,7 @@ def takes(geo: Geometry, config: DecodeConfig) -> str | None:
 
 def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
         sm_scale: float, num_splits: int | None):
-  """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 1) (`PageTable`); returns
+  """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 2) (`PageTable`); returns
   (out (B, QR, R), lse (B, QR))."""
   QR, N = geo.QR, MAX_ROWS
   splits = num_splits or split_count(geo.B, 1, geo.max_blocks, num_sms(config))
@@ -99,7 +99,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
     # alpha (then the lse) and the sum: one buffer (each allocation takes a whole KB),
     # which leaves room for the in-kernel profiler's records (common.PROFILE).
     alpha_smem, l_smem = stats_smem.at[0], stats_smem.at[1]
-    pt_ref, ok_ref, len_ref = page_table(meta_ref, P)
+    pt_ref, ok_ref, len_ref, masked_ref = page_table(meta_ref, P)
     sp = lax.axis_index("s")
     b = lax.axis_index("b")
     wg = lax.axis_index("wg")
@@ -109,12 +109,14 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       """TMA copies of the program's block i of `src` into `dst`, through the page table."""
       copy_block(pt_ref, b, first + i, ((src, dst, ()),), barrier, page_size=page_size, P=P)
 
-    def accumulate_values(acc, i, cols, bad):
+    def accumulate_values(acc, i, cols, bad, n_masked=None):
       """acc (half, N) += V^T . P over the value columns `cols` (a half) of block i's tile
-      (`bad`: its `page_flags`), after rescaling acc by the block's alpha. Block i's scores
-      are done (P is published): the calling warpgroup alone reads these columns now."""
+      (`bad`, `n_masked`: as `zero_masked_rows` takes them), after rescaling acc by the
+      block's alpha. Block i's scores are done (P is published): the calling warpgroup
+      alone reads these columns now."""
       j = lax.rem(i, 2)
-      zero_masked_rows(tiles.at[j, :, cols], first + i, length, bad, page_size=page_size)
+      zero_masked_rows(tiles.at[j, :, cols], first + i, length, bad, page_size=page_size,
+                       n_masked=n_masked)
       values_t = tiles.at[j, :, cols].transpose((1, 0))
       p_t = p_smem.transpose((1, 0))
       alpha = plgpu.load(alpha_smem, layout=col_vec)
@@ -140,14 +142,17 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       plgpu.barrier_arrive(raw_free.at[j])
       plgpu.barrier_arrive(tile_ready.at[j])
 
-    def values_of(i, acc):
-      """Warpgroup 1: its half of block i's values, once warpgroup 0 has written P."""
+    def values_of(i, acc, n_masked):
+      """Warpgroup 1: its half of block i's values, once warpgroup 0 has written P. The
+      page flags are loaded only in a sequence with a masked page (`n_masked` > 0): this
+      warpgroup needs them only for `zero_masked_rows`."""
       j = lax.rem(i, 2)
-      bad = page_flags(ok_ref, b, first + i, page_size=page_size, P=P)   # (loaded early)
       with jax.named_scope("wait_p"):
         plgpu.barrier_wait(p_ready)
       with jax.named_scope("values"):
-        acc = accumulate_values(acc, i, pl.ds(half, half), bad)
+        acc = accumulate_values(
+            acc, i, pl.ds(half, half),
+            lambda: page_flags(ok_ref, b, first + i, page_size=page_size, P=P), n_masked)
       plgpu.barrier_arrive(tile_free.at[j])
       plgpu.barrier_arrive(p_free)
       return acc
@@ -213,6 +218,8 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
         return acc
 
       def wg1_loop(acc):
+        n_masked = masked_ref[b]
+
         @pl.when(n_steps > 0)
         def _():
           convert(0)
@@ -220,11 +227,11 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
         @pl.loop(1, n_steps, init_carry=acc)
         def acc(i, acc):
           convert(i)
-          return values_of(i - 1, acc)
+          return values_of(i - 1, acc, n_masked)
 
         @pl.loop(jnp.maximum(n_steps - 1, 0), n_steps, init_carry=acc)
         def acc(i, acc):
-          return values_of(i, acc)
+          return values_of(i, acc, n_masked)
 
         # Observe the last two blocks' releases, so that every barrier phase is consumed
         # when the program ends (the interpreter checks it; on the GPU it costs nothing).

@@ -93,7 +93,7 @@ def takes(geo: Geometry, config: DecodeConfig) -> str | None:
 
 def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
         sm_scale: float, num_splits: int | None):
-  """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 1) (`PageTable`); returns
+  """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 2) (`PageTable`); returns
   (out (B, QR, R), lse (B, QR))."""
   QR = geo.QR
   N = padded_rows(QR)
@@ -126,7 +126,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
        q_smem, kv_smem, p_smem, o_smem, alpha_smem, l_smem,
        q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free) = refs
       planes, ring = (kv_ref,), (kv_smem,)
-    pt_ref, ok_ref, len_ref = page_table(meta_ref, P)
+    pt_ref, ok_ref, len_ref, _ = page_table(meta_ref, P)
     sp = lax.axis_index("s")
     b = lax.axis_index("b")
     wg = lax.axis_index("wg")

@@ -87,15 +87,17 @@ def copy_geometry(page_size: int) -> tuple[int, int]:
 
 
 class PageTable(NamedTuple):
-  """Views of the kernels' one page-table operand ``meta`` (B, P + 1) int32: columns 0..P-1
-  the page ids with every out-of-range id replaced by -1, column P the clamped length
-  (one XLA fusion before the kernel instead of three). Indexed like the arrays they stand
-  for: ``pages[b, i]`` (a safe id: -1 reads page 0, masked), ``ok[b, i]`` (1 or 0),
-  ``lens[b]``."""
+  """Views of the kernels' one page-table operand ``meta`` (B, P + 2) int32: columns 0..P-1
+  the page ids with every out-of-range id replaced by -1, column P the clamped length,
+  column P + 1 how many of the pages under that length are masked (one XLA fusion before
+  the kernel instead of several: `make_meta`). Indexed like the arrays they stand for:
+  ``pages[b, i]`` (a safe id: -1 reads page 0, masked), ``ok[b, i]`` (1 or 0),
+  ``lens[b]``, ``n_masked[b]``."""
 
   pages: "_Column"
   ok: "_Column"
   lens: "_Column"
+  n_masked: "_Column"
 
 
 class _Column(NamedTuple):
@@ -112,7 +114,9 @@ def page_table(meta_ref, P: int) -> PageTable:
       pages=_Column(meta_ref, lambda m, bi: jnp.maximum(m[bi], 0)),
       ok=_Column(meta_ref, lambda m, bi: 1 - lax.shift_right_logical(m[bi], 31)),
       lens=_Column(meta_ref, lambda m, b: m[b, P]),
+      n_masked=_Column(meta_ref, lambda m, b: m[b, P + 1]),
   )
+
 
 
 def program_blocks(len_ref, b, sp, splits: int):
@@ -193,10 +197,17 @@ def masked_positions(idx, block, bad, *, page_size: int):
   return pos + penalty
 
 
-def zero_masked_rows(tile, block, length, bad, *, page_size: int) -> None:
+def zero_masked_rows(tile, block, length, bad, *, page_size: int,
+                     n_masked=None) -> None:
   """Rows of KV block `block`'s value columns `tile` (a (BLOCK_KV, C) shared-memory view)
   that no query may see -- positions at or past `length`, or on a masked page (`bad`:
   `page_flags`) -- set to 0, then committed for the tensor cores (`commit_smem`).
+
+  With `n_masked` (the sequence's `PageTable.n_masked`), `bad` is a function that loads the
+  flags, called only in a block that may need them (past the length, or in a sequence
+  with a masked page; the rows are then zeroed only if the block has such rows): a
+  warpgroup that does not need the flags for its scores skips their loads and the test
+  in the other blocks (the converter's value warpgroup).
 
   Such rows enter the value product with weight 0, and 0 x NaN is NaN: past the length
   they hold whatever the page held before (stale rows, garbage written by padding tokens),
@@ -204,22 +215,34 @@ def zero_masked_rows(tile, block, length, bad, *, page_size: int) -> None:
   pays (the last block of a sequence, or one with a masked page). The calling warpgroup
   must be the only reader of these columns until the call returns. H200
   (`logs/2026-12-05_ab_masked.log`, with and without): +0.5-2% on the narrow and wide
-  paths, +2-3.6% on the converter.
+  paths, +2-3.6% on the converter before it passed `n_masked` (0.3-1.5% less,
+  `logs/2026-12-05b_ab_converter_flags.log`).
   """
-  has = (block + 1) * BLOCK_KV > length
-  for flag in bad:
-    has = jnp.logical_or(has, flag > 0)
+  past = (block + 1) * BLOCK_KV > length
 
-  @pl.when(has)
+  def zero_if_masked(flags):
+    has = past
+    for flag in flags:
+      has = jnp.logical_or(has, flag > 0)
+
+    @pl.when(has)
+    def _():
+      for c in range(0, tile.shape[-1], CONVERT_COLS):
+        chunk = tile.at[:, pl.ds(c, CONVERT_COLS)]
+        rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, CONVERT_COLS), 0,
+                                      layout=plgpu.Layout.WGMMA)
+        pos = masked_positions(rows, block, flags, page_size=page_size)
+        x = plgpu.load(chunk, layout=plgpu.Layout.WGMMA)
+        chunk[...] = jnp.where(pos < length, x, jnp.zeros_like(x))
+      plgpu.commit_smem()
+
+  if n_masked is None:
+    zero_if_masked(bad)
+    return
+
+  @pl.when(jnp.logical_or(past, n_masked > 0))
   def _():
-    for c in range(0, tile.shape[-1], CONVERT_COLS):
-      chunk = tile.at[:, pl.ds(c, CONVERT_COLS)]
-      rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, CONVERT_COLS), 0,
-                                    layout=plgpu.Layout.WGMMA)
-      pos = masked_positions(rows, block, bad, page_size=page_size)
-      x = plgpu.load(chunk, layout=plgpu.Layout.WGMMA)
-      chunk[...] = jnp.where(pos < length, x, jnp.zeros_like(x))
-    plgpu.commit_smem()
+    zero_if_masked(bad())
 
 
 def online_softmax(s, m_i, l_part, axis: int):

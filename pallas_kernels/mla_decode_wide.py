@@ -72,7 +72,7 @@ def takes(geo: Geometry, config: DecodeConfig) -> str | None:
 
 def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
         sm_scale: float, num_splits: int | None):
-  """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 1) (`PageTable`); returns
+  """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 2) (`PageTable`); returns
   (out (B, QR, R), lse (B, QR))."""
   QR = geo.QR
   QRp = -(-QR // 8) * 8 if QR <= BLOCK_M else -(-QR // BLOCK_M) * BLOCK_M
@@ -107,7 +107,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
        q_smem, kv_smem, p_smem, row_smem, q_bar, kv_bar, free_bar, sync_bar) = refs
       planes, ring = (kv_ref,), (kv_smem,)
     mt = lax.axis_index("m")
-    pt_ref, ok_ref, len_ref = page_table(meta_ref, P)
+    pt_ref, ok_ref, len_ref, _ = page_table(meta_ref, P)
     sp = lax.axis_index("s")
     b = lax.axis_index("b")
     wg = lax.axis_index("wg")

@@ -218,6 +218,21 @@ def test_64_bit_page_ids_and_lengths_do_not_wrap(rng):
   chex.assert_trees_all_equal(got, want)
 
 
+def test_kernel_page_table_operand():
+  """make_meta: safe ids (-1 where out of range, 64-bit ids range-checked before
+  narrowing), clamped lengths, and the count of masked pages under each length (pages
+  past the length, masked or not, do not count: engines pad tables with -1)."""
+  table = np.array([[3, -1, 2**32 + 1, 7], [5, 6, -1, -1], [9, 99, 1, 2]], np.int64)
+  lens = np.array([40, 20, 2**33 + 7], np.int64)
+  with jax.enable_x64(True):
+    meta = np.asarray(kernel.make_meta(jnp.asarray(table), jnp.asarray(lens), n_pages=10,
+                                       page_size=16))
+  assert meta.dtype == np.int32 and meta.shape == (3, 6)
+  np.testing.assert_array_equal(meta[:, :4], [[3, -1, -1, 7], [5, 6, -1, -1], [9, -1, 1, 2]])
+  np.testing.assert_array_equal(meta[:, 4], [40, 20, 64])
+  np.testing.assert_array_equal(meta[:, 5], [2, 0, 1])
+
+
 def test_default_falls_back_to_xla_where_the_kernel_does_not_apply(monkeypatch, rng):
   cfg = mc.SMALL.replace(size=508, page_size=4)     # page_size 4: not a kernel shape
   cache = filled_cache(cfg, rng)
