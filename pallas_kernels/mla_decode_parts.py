@@ -118,7 +118,6 @@ def page_table(meta_ref, P: int) -> PageTable:
   )
 
 
-
 def program_blocks(len_ref, b, sp, splits: int):
   """(length, first block, number of blocks) of split `sp` of sequence b: the blocks of
   the sequence are dealt out in equal runs to the `splits` programs of the sequence."""
