@@ -109,13 +109,13 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       """TMA copies of the program's block i of `src` into `dst`, through the page table."""
       copy_block(pt_ref, b, first + i, ((src, dst, ()),), barrier, page_size=page_size, P=P)
 
-    def accumulate_values(acc, i, cols, bad, n_masked=None):
+    def accumulate_values(acc, i, cols, load_flags, n_masked=None):
       """acc (half, N) += V^T . P over the value columns `cols` (a half) of block i's tile
-      (`bad`, `n_masked`: as `zero_masked_rows` takes them), after rescaling acc by the
+      (`load_flags`, `n_masked`: as `zero_masked_rows` takes them), after rescaling acc by the
       block's alpha. Block i's scores are done (P is published): the calling warpgroup
       alone reads these columns now."""
       j = lax.rem(i, 2)
-      zero_masked_rows(tiles.at[j, :, cols], first + i, length, bad, page_size=page_size,
+      zero_masked_rows(tiles.at[j, :, cols], first + i, length, load_flags, page_size=page_size,
                        n_masked=n_masked)
       values_t = tiles.at[j, :, cols].transpose((1, 0))
       p_t = p_smem.transpose((1, 0))
@@ -208,7 +208,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
             publish_weights(i, p, alpha, p_smem=p_smem, alpha_smem=alpha_smem, p_free=p_free,
                             p_ready=p_ready)
           with jax.named_scope("values"):
-            acc = accumulate_values(acc, i, pl.ds(0, half), bad)
+            acc = accumulate_values(acc, i, pl.ds(0, half), lambda: bad)
           plgpu.barrier_arrive(tile_free.at[j])
           return acc, m_i, l_part
 

@@ -235,7 +235,8 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
         with jax.named_scope("values"):
           # The block's scores are done (P is published): each warpgroup alone reads its
           # half of the value columns from here on.
-          zero_masked_rows(values_tile(slot), first + i, length, bad, page_size=page_size)
+          zero_masked_rows(values_tile(slot), first + i, length, lambda: bad,
+                           page_size=page_size)
           alpha = plgpu.load(alpha_smem, layout=col_vec)
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
           acc = accumulate_values(acc, slot)

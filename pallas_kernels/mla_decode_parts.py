@@ -196,17 +196,19 @@ def masked_positions(idx, block, bad, *, page_size: int):
   return pos + penalty
 
 
-def zero_masked_rows(tile, block, length, bad, *, page_size: int,
+def zero_masked_rows(tile, block, length, load_flags, *, page_size: int,
                      n_masked=None) -> None:
   """Rows of KV block `block`'s value columns `tile` (a (BLOCK_KV, C) shared-memory view)
-  that no query may see -- positions at or past `length`, or on a masked page (`bad`:
-  `page_flags`) -- set to 0, then committed for the tensor cores (`commit_smem`).
+  that no query may see -- positions at or past `length`, or on a masked page -- set to 0,
+  then committed for the tensor cores (`commit_smem`).
 
-  With `n_masked` (the sequence's `PageTable.n_masked`), `bad` is a function that loads the
-  flags, called only in a block that may need them (past the length, or in a sequence
-  with a masked page; the rows are then zeroed only if the block has such rows): a
-  warpgroup that does not need the flags for its scores skips their loads and the test
-  in the other blocks (the converter's value warpgroup).
+  `load_flags`: a function returning the block's page flags (`page_flags`); a warpgroup
+  that loaded them already for its scores passes ``lambda: flags``. Without `n_masked` it
+  is called for every block. With `n_masked` (the sequence's `PageTable.n_masked`) it is
+  called only in a block that may need the flags (past the length, or in a sequence with
+  a masked page; the rows are then zeroed only if the block has such rows): a warpgroup
+  that does not need the flags for its scores skips their loads and the test in the
+  other blocks (the converter's value warpgroup).
 
   Such rows enter the value product with weight 0, and 0 x NaN is NaN: past the length
   they hold whatever the page held before (stale rows, garbage written by padding tokens),
@@ -236,12 +238,12 @@ def zero_masked_rows(tile, block, length, bad, *, page_size: int,
       plgpu.commit_smem()
 
   if n_masked is None:
-    zero_if_masked(bad)
+    zero_if_masked(load_flags())
     return
 
   @pl.when(jnp.logical_or(past, n_masked > 0))
   def _():
-    zero_if_masked(bad())
+    zero_if_masked(load_flags())
 
 
 def online_softmax(s, m_i, l_part, axis: int):

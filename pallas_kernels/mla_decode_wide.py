@@ -206,7 +206,8 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
         with jax.named_scope("values"):
           values = key_tile if quantized else kv_smem.at[slot]
           # Both score products are done: this warpgroup alone reads its value columns.
-          zero_masked_rows(values.at[:, col0], block, length, bad, page_size=page_size)
+          zero_masked_rows(values.at[:, col0], block, length, lambda: bad,
+                           page_size=page_size)
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
           acc = accumulate(acc, p_smem.transpose((1, 0)), values.at[:, col0], interpret)
         if not quantized:
