@@ -280,9 +280,11 @@ def _print_table(r: dict[str, Any], batch: int, context: int, cfg: mc.MLACacheCo
       ("device", r["device"]),
       ("cache ops implementation", r["implementation"]),
       ("prefill", f"{_rate(r['prefill_tokens_per_s'])} tokens/s"),
-      ("decode", f"{_rate(r['decode_tokens_per_s'])} tokens/s ({r['decode_ms_per_step']:.2f} ms/step, "
-                 f"batch {r['batch']}, {r['layers']} layers, {r['attention']})"),
-      *((f"decode step, {name}", f"{ms:.2f} ms (wall clock, repeated step)")
+      ("decode loop", f"{_rate(r['decode_tokens_per_s'])} tokens/s ({r['decode_ms_per_step']:.2f} ms/step, "
+                      f"batch {r['batch']}, {r['layers']} layers, {r['attention']}; sample + "
+                      f"step, waited for every step)"),
+      *((f"decode step, {name}", f"{ms:.2f} ms (wall clock, the step repeated without waiting: "
+                                 f"dispatch overlaps the previous step)")
         for name, ms in r["decode_step_ms"].items() if len(r["decode_step_ms"]) > 1),
       (f"set_mla_kv_buffer, {batch} rows", f"{r['set_mla_kv_buffer_us']:,.1f} us/call"),
       (f"get_mla_kv_buffer, {batch * context} rows", f"{r['get_mla_kv_buffer_us']:,.1f} us/call"),
