@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, memcheck with hostile slots, diagnostics, benchmark.
 # Usage (device tool): bash benchmarks/gpu_session.sh
-#   [tests|decode|decode_bench|diag_decode|trace|regs|demo|deepseek|moves|rope|rope_bench|
-#    sanitize|diag|diag_rows|diag_moves|ptx|bench|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
+#   [tests|decode|decode_bench|diag_decode|trace|regs|demo|step_profile|deepseek|moves|rope|
+#    rope_bench|sanitize|diag|diag_rows|diag_moves|ptx|bench|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
 #
 # Budget notes (H200, jax 0.11.2; 30 min of device time a session, a cold start ~1-1.5 min):
 # a 61-layer Mosaic move kernel lowers in < 2 s of host time; the move GPU tests take ~100 s,
@@ -56,6 +56,15 @@ if want demo; then  # the 61-layer demo, cold (empty compilation cache) and agai
       ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo_$run.log" | grep -v "^  step"
   done
   unset JAX_COMPILATION_CACHE_DIR
+fi
+if want step_profile; then  # the demo step: device time, dispatch, waited vs repeated clocks
+  # Twice: XLA's defaults, then without command buffers (CUDA graphs): if the second is no
+  # slower, the step's kernels were launched one by one in the first as well.
+  for flags in "" "--xla_gpu_enable_command_buffer="; do
+    echo "== XLA_FLAGS='$flags'"
+    XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout ${STEP_PROFILE_TIMEOUT:-150} \
+      python3 benchmarks/profile_decode_step.py ${STEP_PROFILE_ARGS:-}
+  done 2>&1 | tee "$OUT/step_profile.log"
 fi
 if want decode_bench; then
   timeout ${DECODE_BENCH_TIMEOUT:-240} python3 -m jax_mla_cache bench --ops decode --iters 10 \

@@ -74,14 +74,16 @@ _FIRST_CALL_S: list[float] = []
 """Seconds of the latest `time_per_call`'s first call (picked up by `report`)."""
 
 
-def gpu_events(trace_dir: str) -> dict[str, int] | None:
-  """Total duration (ns) per GPU event name (kernels, memcpys) in a profiler trace."""
+def gpu_events(trace_dir: str, counts: bool = False):
+  """Total duration (ns) per GPU event name (kernels, memcpys) in a profiler trace, or None
+  without one; with `counts`, (those totals, the number of events per name)."""
   from jax.profiler import ProfileData
 
   files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
   if not files:
     return None
   totals: dict[str, int] = {}
+  number: dict[str, int] = {}
   for plane in ProfileData.from_file(files[-1]).planes:
     if not plane.name.startswith("/device:GPU"):
       continue
@@ -92,7 +94,10 @@ def gpu_events(trace_dir: str) -> dict[str, int] | None:
         continue
       for event in line.events:
         totals[event.name] = totals.get(event.name, 0) + int(event.duration_ns)
-  return totals or None
+        number[event.name] = number.get(event.name, 0) + 1
+  if not totals:
+    return None
+  return (totals, number) if counts else totals
 
 
 def time_per_call(step: Callable[[Any], Any], state: Any, iters: int,
