@@ -210,16 +210,31 @@ def _public(jitted: Callable) -> Callable:
   before anything runs."""
   name = jitted.__name__.lstrip("_")
   signature = inspect.signature(jitted)
+  per_layer = "layer_id" in signature.parameters
 
   @functools.wraps(jitted)
   def op(cache, *args, **kwargs):
     check_cache(cache, name)
     bound = bind_arguments(signature, cache, name, (cache, *args), kwargs)
-    return jitted(*bound.args, **bound.kwargs)
+    if not per_layer:
+      return jitted(*bound.args, **bound.kwargs)
+    layer_id = bound.arguments["layer_id"]
+    bound.arguments["cache"], bound.arguments["layer_id"] = cache.layer_view(layer_id), 0
+    return with_layer_results(cache, layer_id, jitted(*bound.args, **bound.kwargs))
 
   op.__name__ = op.__qualname__ = name
   op.jitted = jitted
   return op
+
+
+def with_layer_results(cache: MLAKVCache, layer_id: int, out: Any) -> Any:
+  """A per-layer op's results on `cache.layer_view(layer_id)` with each returned cache
+  (the view) put back into `cache` (`MLAKVCache.with_layer`); other results unchanged."""
+  if isinstance(out, MLAKVCache):
+    return cache.with_layer(layer_id, out)
+  if isinstance(out, tuple):
+    return tuple(with_layer_results(cache, layer_id, x) for x in out)
+  return out
 
 
 # ----------------------------------------------------------------- validation

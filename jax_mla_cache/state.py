@@ -48,6 +48,21 @@ class MLAKVCache:
     buffers[layer_id] = tuple(new)
     return dataclasses.replace(self, buffers=tuple(buffers))
 
+  def layer_view(self, layer_id: int) -> "MLAKVCache":
+    """Layer `layer_id` alone, as a one-layer cache (layer 0; its config has layer_num=1).
+
+    The public per-layer ops run their jitted cores on this view and put the result back
+    with `with_layer`: every layer of a model then shares one trace and one lowered
+    function of each op (a core jitted over the whole cache with a static layer_id is
+    traced and lowered again for every layer).
+    """
+    return MLAKVCache(buffers=(self.buffers[layer_id],),
+                      config=self.config.replace(layer_num=1))
+
+  def with_layer(self, layer_id: int, view: "MLAKVCache") -> "MLAKVCache":
+    """A new state with layer `layer_id`'s buffers taken from a `layer_view`."""
+    return self.replace_layer(layer_id, view.buffers[0])
+
   def flat_buffers(self) -> tuple[jax.Array, ...]:
     """All buffers, layer-major: layer 0's buffers, then layer 1's, ..."""
     return tuple(b for layer in self.buffers for b in layer)
