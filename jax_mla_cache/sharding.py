@@ -660,8 +660,22 @@ def sharded_op(op: ShardedOp) -> Callable:
     if op.prepare is not None:
       op.prepare(cache, arguments)
     arrays = {n: arguments.pop(n) for n in op.arguments}
+
+    def run(target, arrays):
+      """The jitted program on `target`; a per-layer op on the layer alone (layer 0 of
+      `MLAKVCache.layer_view`), so that every layer shares one trace, put back after."""
+      if not op.per_layer:
+        return jitted(target, arrays, tuple(arguments.items()))
+      layer_id = arguments["layer_id"]
+      view = target.replace(target.cache.layer_view(layer_id))
+      out = jitted(view, arrays, tuple({**arguments, "layer_id": 0}.items()))
+      outs = out if len(op.results) > 1 else (out,)
+      outs = tuple(target.replace(target.cache.with_layer(layer_id, x.cache)) if kind == CACHE
+                   else x for kind, x in zip(op.results, outs))
+      return outs if len(outs) > 1 else outs[0]
+
     if layout.kind != "pipeline":
-      return jitted(cache, arrays, tuple(arguments.items()))
+      return run(cache, arrays)
     layer_num = cache.cache.config.layer_num
     stages = [layout.stage_of(arguments["layer_id"], layer_num)] if op.per_layer else _stages(cache)
     results = None
@@ -669,8 +683,7 @@ def sharded_op(op: ShardedOp) -> Callable:
       view = stage_view(cache, stage)
       if op.per_layer:
         arguments["layer_id"] -= layout.stage_layers(stage, layer_num).start
-      out = jitted(view, jax.tree.map(functools.partial(_to_stage, view), arrays),
-                   tuple(arguments.items()))
+      out = run(view, jax.tree.map(functools.partial(_to_stage, view), arrays))
       results = out if len(op.results) > 1 else (out,)
       if op.results[0] == CACHE:
         cache = with_stage(cache, stage, results[0])

@@ -453,3 +453,33 @@ def test_moves_of_a_full_cache_match_unsharded_pool(kind):
   cache = sh.move_kv_pages(cache, tgt_pages, src_pages, implementation="xla")
   oracle.move_pages(tgt_pages, src_pages)
   oracle.assert_equal(cache)
+
+
+@pytest.mark.parametrize("kind", ["data_parallel", "replicated", "context_parallel"])
+def test_per_layer_sharded_ops_trace_once_for_all_layers(kind):
+  """A 3-layer step of sharded writes and reads lowers one program per op, called by every
+  layer (the layer alone is passed: `MLAKVCache.layer_view`), and the writes land in
+  their own layers."""
+  import re
+  cfg = PLAIN.replace(layer_num=3)
+  cache = sh.init_sharded_cache(cfg, layout(kind))
+  loc = jnp.arange(TOKENS, dtype=jnp.int32) * 3
+  rng = np.random.default_rng(0)
+  nope = jnp.asarray(rng.standard_normal((TOKENS, 1, cfg.kv_lora_rank)), jnp.float32)
+  rope = jnp.asarray(rng.standard_normal((TOKENS, 1, cfg.qk_rope_head_dim)), jnp.float32)
+
+  def step(cache):
+    reads = []
+    for layer in range(cfg.layer_num):
+      cache = sh.set_mla_kv_buffer(cache, layer, loc, nope * (layer + 1), rope)
+      reads.append(sh.get_mla_kv_buffer(cache, layer, loc)[0])
+    return cache, reads
+
+  text = jax.jit(step, donate_argnums=0).lower(cache).as_text()
+  programs = re.findall(r"func\.func private @(_program(?:_\d+)?)\(", text)
+  assert len(programs) == 2, programs          # one set, one get
+  assert sum(len(re.findall(rf"call @{p}\(", text)) for p in programs) == 2 * cfg.layer_num
+  _, reads = jax.jit(step, donate_argnums=0)(cache)
+  for layer, got in enumerate(reads):
+    np.testing.assert_allclose(np.asarray(got, np.float32),
+                               np.asarray(nope * (layer + 1), np.float32), rtol=1e-2)
