@@ -2,8 +2,8 @@
 
 A model step calls each per-layer op once per layer with a static `layer_id`. The public
 ops run their jitted cores on the layer alone (a one-layer cache), so a 61-layer step
-traces and lowers each core once, not 61 times (H200 demo: trace + lower of the two
-61-layer steps 7.8 -> 4.8 s on a 2-core CPU host, lowered module 4.5 -> 2.5 MB), while a
+traces and lowers each core once, not 61 times (the GPU demo: trace + lower of its two
+61-layer steps 7.2-8.1 -> 4.4 s on a 2-core CPU host, lowered module 4.5 -> 2.5 MB), while a
 top-level call still donates and updates only the layer's buffers.
 """
 
