@@ -114,3 +114,36 @@ def test_layer_id_is_still_checked_against_the_whole_cache(bad):
   with pytest.raises((ValueError, TypeError), match="layer_id"):
     mc.mla_decode(cache, bad, jnp.zeros((1, 1, H, 576), jnp.bfloat16),
                   jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32), sm_scale=0.1)
+
+
+def test_eager_calls_compile_once_for_all_layers():
+  """The stateful pool's way (per-layer calls outside any jit): the first write and read of
+  each layer reuse one executable of each op (61-layer pool on a 2-core CPU host: first pass
+  8.6 -> 0.13 s plain, 31.3 -> 0.56 s per_token_head, `logs/2026-12-05c_eager_layers.log`)."""
+  import logging
+
+  messages = []
+
+  class Record(logging.Handler):
+    def emit(self, record):
+      messages.append(record.getMessage())
+
+  handler = Record()
+  logging.getLogger("jax").addHandler(handler)
+  try:
+    pool = mc.MLATokenToKVPool(size=CFG.size, page_size=CFG.page_size, model_dtype=jnp.bfloat16,
+                               dtype=jnp.bfloat16, quant_method=None, kv_lora_rank=512,
+                               qk_rope_head_dim=64, layer_num=L)
+    n = T + 3                                    # a shape no other test here compiles
+    loc = np.arange(n, dtype=np.int32) + 7
+    nope, rope = _rows(512, n=n), _rows(64, n=n)
+    with jax.log_compiles(True):
+      for layer in range(L):
+        pool.set_mla_kv_buffer(layer, loc, nope * (layer + 1), rope)
+        got = pool.get_mla_kv_buffer(layer, loc, jnp.float32)[0]
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(nope * (layer + 1), np.float32))
+  finally:
+    logging.getLogger("jax").removeHandler(handler)
+  for core in ("_set_mla_kv_buffer", "_get_mla_kv_buffer"):
+    compiled = [m for m in messages if m.startswith(f"Compiling jit({core})")]
+    assert len(compiled) == 1, (core, len(compiled))
