@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, memcheck with hostile slots, diagnostics, benchmark.
 # Usage (device tool): bash benchmarks/gpu_session.sh
-#   [tests|decode|decode_bench|diag_decode|trace|regs|demo|step_profile|eager|deepseek|moves|rope|
+#   [tests|decode|decode_bench|diag_decode|trace|regs|demo|step_profile|compile|eager|deepseek|moves|rope|
 #    rope_bench|sanitize|diag|diag_rows|diag_moves|ptx|bench|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
 #
 # Budget notes (H200, jax 0.11.2; 30 min of device time a session, a cold start ~1-1.5 min):
@@ -65,6 +65,14 @@ if want step_profile; then  # the demo step: device time, dispatch, waited vs re
     XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout ${STEP_PROFILE_TIMEOUT:-150} \
       python3 benchmarks/profile_decode_step.py ${STEP_PROFILE_ARGS:-}
   done 2>&1 | tee "$OUT/step_profile.log"
+fi
+if want compile; then  # where the demo steps' XLA compile goes: per layer, Mosaic vs XLA ops
+  { timeout ${COMPILE_TIMEOUT:-360} python3 benchmarks/lower_demo.py --compile --repeat 1 \
+      --layers 1 61 --impl pallas xla
+    echo "== without XLA's autotuning (--xla_gpu_autotune_level=0)"
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout 150 \
+      python3 benchmarks/lower_demo.py --compile --repeat 1 --layers 61; } 2>&1 \
+    | tee "$OUT/compile_breakdown.log"
 fi
 if want eager; then  # the pool's per-layer calls outside a jit: first pass (compiles), second
   timeout 120 python3 benchmarks/eager_layers.py 2>&1 | tee "$OUT/eager_layers.log"
