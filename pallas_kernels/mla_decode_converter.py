@@ -39,6 +39,7 @@ from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, DecodeConfig, Geometry, combine,
                                        num_sms, split_count)
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, copy_block,
+                                             decode_kernel,
                                              masked_positions, online_softmax, page_flags,
                                              page_table, produce, program_blocks, prologue,
                                              publish_weights, softmax_end, softmax_start,
@@ -321,16 +322,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       plgpu.Barrier(num_arrivals=1),                                 # P free (wg 1 -> 0)
       plgpu.Barrier(num_arrivals=2),                                 # both compute warpgroups
   ]
-  return plgpu.kernel(
-      body,
-      out_type=(jax.ShapeDtypeStruct((B, splits, N, W), dtype),
-                jax.ShapeDtypeStruct((B, splits, N), F32)),
-      scratch_types=smem + barriers,
-      grid=(splits, B),
-      grid_names=("s", "b"),
-      num_threads=4,
-      thread_name="wg",
-      kernel_name="mla_decode_converter",
-      compiler_params=common.compiler_params(approx_math=True),
-      interpret=common.interpret_params() if interpret else None,
-  )
+  return decode_kernel(body, out_shape=(N, W), rows=N, dtype=dtype, scratch=smem + barriers,
+                       splits=splits, B=B, num_threads=4, name="mla_decode_converter",
+                       interpret=interpret)
+

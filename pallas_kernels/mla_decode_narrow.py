@@ -49,7 +49,8 @@ from pallas_kernels import common
 from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import (BLOCK_KV, DecodeConfig, Geometry, combine,
                                        num_sms, split_count)
-from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, kv_scratch,
+from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, decode_kernel,
+                                             kv_scratch,
                                              masked_positions, online_softmax, page_flags,
                                              page_table, program_blocks, prologue,
                                              publish_weights, ring_loader, softmax_end,
@@ -280,16 +281,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
       plgpu.Barrier(num_arrivals=1),                              # P ready (wg 0 -> 1)
       plgpu.Barrier(num_arrivals=1),                              # P free (wg 1 -> 0)
   ]
-  return plgpu.kernel(
-      body,
-      out_type=(jax.ShapeDtypeStruct((B, splits, R, N), dtype),
-                jax.ShapeDtypeStruct((B, splits, N), F32)),
-      scratch_types=smem + barriers,
-      grid=(splits, B),
-      grid_names=("s", "b"),
-      num_threads=2,
-      thread_name="wg",
-      kernel_name="mla_decode_narrow_pth" if quantized else "mla_decode_narrow",
-      compiler_params=common.compiler_params(approx_math=True),
-      interpret=common.interpret_params() if interpret else None,
-  )
+  return decode_kernel(body, out_shape=(R, N), rows=N, dtype=dtype, scratch=smem + barriers,
+                       splits=splits, B=B, num_threads=2, interpret=interpret,
+                       name="mla_decode_narrow_pth" if quantized else "mla_decode_narrow")
+

@@ -81,6 +81,26 @@ def kv_scratch(pro: Prologue, *, q_rows: int, quantized: bool, stages: int, R: i
   return smem, barriers
 
 
+def decode_kernel(body, *, out_shape: tuple, rows: int, dtype, scratch: list, splits: int,
+                  B: int, num_threads: int, name: str, interpret: bool, m_tiles: int = 0,
+                  **params):
+  """`plgpu.kernel` of a decode path over a (splits, B) grid -- (m_tiles, splits, B) when
+  ``m_tiles`` -- of warpgroups "wg": outputs the partial results (B, splits, *out_shape) in
+  ``dtype`` and their lse (B, splits, rows) float32, for `mla_decode`'s merge of the
+  splits. ``params``: extra `compiler_params` (approximate math is always on)."""
+  grid, names = ((splits, B), ("s", "b")) if not m_tiles else \
+      ((m_tiles, splits, B), ("m", "s", "b"))
+  return plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((B, splits, *out_shape), dtype),
+                jax.ShapeDtypeStruct((B, splits, rows), F32)),
+      scratch_types=scratch, grid=grid, grid_names=names, num_threads=num_threads,
+      thread_name="wg", kernel_name=name,
+      compiler_params=common.compiler_params(approx_math=True, **params),
+      interpret=common.interpret_params() if interpret else None,
+  )
+
+
 def copy_geometry(page_size: int) -> tuple[int, int]:
   """(TMA copies per KV block, rows per copy): one per page a 64-token block spans."""
   return (1 if page_size >= BLOCK_KV else BLOCK_KV // page_size), min(page_size, BLOCK_KV)

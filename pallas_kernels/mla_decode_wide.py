@@ -55,7 +55,8 @@ from pallas_kernels import common
 from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import (BLOCK_KV, LN2, DecodeConfig, Geometry,
                                        combine, num_sms, split_count)
-from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, kv_scratch,
+from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, decode_kernel,
+                                             kv_scratch,
                                              masked_positions, page_flags, page_table,
                                              program_blocks, prologue, ring_loader,
                                              zero_masked_rows)
@@ -251,18 +252,10 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
                               Rr=Rr, dtype=dtype)
   smem += [plgpu.SMEM((BLOCK_KV, BLOCK_M), dtype, transforms=tile),        # P^T (both halves)
            plgpu.SMEM((2, BLOCK_M), F32)]          # row max / sum halves, then the lse
-  return plgpu.kernel(
-      body,
-      out_type=(jax.ShapeDtypeStruct((B, splits, QRp, R), dtype),
-                jax.ShapeDtypeStruct((B, splits, QRp), F32)),
-      scratch_types=smem + barriers,
-      grid=(m_tiles, splits, B),
-      grid_names=("m", "s", "b"),
-      num_threads=2,
-      thread_name="wg",
-      kernel_name="mla_decode_pth" if quantized else "mla_decode",
-      # The row reductions stay inside a warp (WGMMA layout): no cross-warp scratch, whose
-      # 2 KB would not fit at H = 128.
-      compiler_params=common.compiler_params(approx_math=True, reduction_scratch_bytes=0),
-      interpret=common.interpret_params() if interpret else None,
-  )
+  # The row reductions stay inside a warp (WGMMA layout): no cross-warp scratch, whose 2 KB
+  # would not fit at H = 128.
+  return decode_kernel(body, out_shape=(QRp, R), rows=QRp, dtype=dtype,
+                       scratch=smem + barriers, splits=splits, B=B, m_tiles=m_tiles,
+                       num_threads=2, name="mla_decode_pth" if quantized else "mla_decode",
+                       interpret=interpret, reduction_scratch_bytes=0)
+
