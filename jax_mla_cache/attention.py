@@ -208,6 +208,5 @@ def mla_decode(
   # Host integers are range-checked here, in their own width: inside the jit a numpy
   # int64 array would already have been narrowed to int32 (2**32 + 5 -> 5).
   page_table, seq_lens = check_decode_args(cache, q, page_table, seq_lens, "mla_decode")
-  # The layer alone: every layer shares one trace of the jitted core (`layer_view`).
-  return _mla_decode(cache.layer_view(layer_id), 0, q, page_table, seq_lens,
-                     sm_scale=sm_scale, implementation=implementation)
+  return dispatch.on_layer(_mla_decode, cache, layer_id, q, page_table, seq_lens,
+                           sm_scale=sm_scale, implementation=implementation)

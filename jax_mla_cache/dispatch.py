@@ -215,6 +215,7 @@ def _public(jitted: Callable) -> Callable:
   name = jitted.__name__.lstrip("_")
   signature = inspect.signature(jitted)
   per_layer = "layer_id" in signature.parameters
+  assert not per_layer or list(signature.parameters)[:2] == ["cache", "layer_id"], name
 
   @functools.wraps(jitted)
   def op(cache, *args, **kwargs):
@@ -222,13 +223,20 @@ def _public(jitted: Callable) -> Callable:
     bound = bind_arguments(signature, cache, name, (cache, *args), kwargs)
     if not per_layer:
       return jitted(*bound.args, **bound.kwargs)
-    layer_id = bound.arguments["layer_id"]
-    bound.arguments["cache"], bound.arguments["layer_id"] = cache.layer_view(layer_id), 0
-    return with_layer_results(cache, layer_id, jitted(*bound.args, **bound.kwargs))
+    return on_layer(jitted, cache, bound.args[1], *bound.args[2:], **bound.kwargs)
 
   op.__name__ = op.__qualname__ = name
   op.jitted = jitted
   return op
+
+
+def on_layer(core: Callable, cache: MLAKVCache, layer_id: int, *args, **kwargs) -> Any:
+  """``core(view, 0, *args, **kwargs)`` on the layer alone (``view =
+  cache.layer_view(layer_id)``), each cache it returns put back into `cache`
+  (`with_layer_results`): how every public per-layer op runs its jitted core, so that all
+  layers of a cache share one trace of it (and outside a jit one executable)."""
+  return with_layer_results(cache, layer_id, core(cache.layer_view(layer_id), 0, *args,
+                                                  **kwargs))
 
 
 def with_layer_results(cache: MLAKVCache, layer_id: int, out: Any) -> Any:

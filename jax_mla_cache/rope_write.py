@@ -169,11 +169,10 @@ def _call(fused: bool, cache, layer_id, loc, positions, q_nope, q_rope, k_nope, 
   if hasattr(cos_sin_cache, "shape"):
     positions = _host_int32(positions, lambda x: np.clip(x, 0, cos_sin_cache.shape[0] - 1))
   layer_id = dispatch.check_layer_id(cache, layer_id, OP)
-  # The layer alone: every layer shares one trace of the jitted core (`layer_view`).
-  out = _rope_set(cache.layer_view(layer_id), 0, loc, positions, q_nope, q_rope, k_nope,
-                  k_rope, cos_sin_cache, is_neox=bool(is_neox), q_out_dtype=q_out_dtype,
-                  sanitize=bool(sanitize), implementation=implementation, fused=fused)
-  return dispatch.with_layer_results(cache, layer_id, out)
+  return dispatch.on_layer(_rope_set, cache, layer_id, loc, positions, q_nope, q_rope, k_nope,
+                           k_rope, cos_sin_cache, is_neox=bool(is_neox),
+                           q_out_dtype=q_out_dtype, sanitize=bool(sanitize),
+                           implementation=implementation, fused=fused)
 
 
 def rope_set_mla_kv_buffer(
