@@ -62,7 +62,7 @@ if want step_profile; then  # the demo step: device time, dispatch, waited vs re
   # slower, the step's kernels were launched one by one in the first as well.
   for flags in "" "--xla_gpu_enable_command_buffer="; do
     echo "== XLA_FLAGS='$flags'"
-    XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout ${STEP_PROFILE_TIMEOUT:-150} \
+    XLA_FLAGS=$(echo "${XLA_FLAGS:-} $flags" | xargs) timeout ${STEP_PROFILE_TIMEOUT:-150} \
       python3 benchmarks/profile_decode_step.py ${STEP_PROFILE_ARGS:-}
   done 2>&1 | tee "$OUT/step_profile.log"
 fi
