@@ -208,10 +208,9 @@ def _public(jitted: Callable) -> Callable:
   """The public op: checks the cache type and normalizes the arguments
   (`bind_arguments`) before the jitted function, whose own checks run at trace time,
   before anything runs. A per-layer op (one with `layer_id`) runs the jitted function on
-  the layer alone (`MLAKVCache.layer_view`, as layer 0) and puts the returned cache back
-  (`with_layer_results`): every layer of a cache then shares one trace, one lowered
-  function inside a model's jit and one executable outside it. `op.jitted` still takes a
-  whole cache and its layer_id."""
+  the layer alone and puts the returned cache back (`on_layer`): every layer of a cache
+  then shares one trace, one lowered function inside a model's jit and one executable
+  outside it. `op.jitted` still takes a whole cache and its layer_id."""
   name = jitted.__name__.lstrip("_")
   signature = inspect.signature(jitted)
   per_layer = "layer_id" in signature.parameters

@@ -39,11 +39,10 @@ from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, DecodeConfig, Geometry, combine,
                                        num_sms, split_count)
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, copy_block,
-                                             decode_kernel,
-                                             masked_positions, online_softmax, page_flags,
-                                             page_table, produce, program_blocks, prologue,
-                                             publish_weights, softmax_end, softmax_start,
-                                             zero_masked_rows)
+                                             decode_kernel, masked_positions, online_softmax,
+                                             page_flags, page_table, produce, program_blocks,
+                                             prologue, publish_weights, softmax_end,
+                                             softmax_start, zero_masked_rows)
 from pallas_kernels.mla_decode_narrow import CONVERT_LAYOUT, SMEM_LIMIT
 
 MAX_ROWS = 16
@@ -325,4 +324,3 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
   return decode_kernel(body, out_shape=(N, W), rows=N, dtype=dtype, scratch=smem + barriers,
                        splits=splits, B=B, num_threads=4, name="mla_decode_converter",
                        interpret=interpret)
-

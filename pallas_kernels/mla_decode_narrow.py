@@ -49,12 +49,12 @@ from pallas_kernels import common
 from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import (BLOCK_KV, DecodeConfig, Geometry, combine,
                                        num_sms, split_count)
-from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, decode_kernel,
-                                             kv_scratch,
-                                             masked_positions, online_softmax, page_flags,
-                                             page_table, program_blocks, prologue,
-                                             publish_weights, ring_loader, softmax_end,
-                                             softmax_start, zero_masked_rows)
+from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8,
+                                             decode_kernel, kv_scratch, masked_positions,
+                                             online_softmax, page_flags, page_table,
+                                             program_blocks, prologue, publish_weights,
+                                             ring_loader, softmax_end, softmax_start,
+                                             zero_masked_rows)
 
 MAX_ROWS = 32       # query rows (s_q x H) this path takes
 SMEM_LIMIT = 227 * 1024
@@ -284,4 +284,3 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
   return decode_kernel(body, out_shape=(R, N), rows=N, dtype=dtype, scratch=smem + barriers,
                        splits=splits, B=B, num_threads=2, interpret=interpret,
                        name="mla_decode_narrow_pth" if quantized else "mla_decode_narrow")
-

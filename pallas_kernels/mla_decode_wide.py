@@ -55,11 +55,10 @@ from pallas_kernels import common
 from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import (BLOCK_KV, LN2, DecodeConfig, Geometry,
                                        combine, num_sms, split_count)
-from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, decode_kernel,
-                                             kv_scratch,
-                                             masked_positions, page_flags, page_table,
-                                             program_blocks, prologue, ring_loader,
-                                             zero_masked_rows)
+from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8,
+                                             decode_kernel, kv_scratch, masked_positions,
+                                             page_flags, page_table, program_blocks, prologue,
+                                             ring_loader, zero_masked_rows)
 
 BLOCK_M = 64        # query rows per tile (a wgmma's M)
 HALF_KV = BLOCK_KV // 2
@@ -258,4 +257,3 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
                        scratch=smem + barriers, splits=splits, B=B, m_tiles=m_tiles,
                        num_threads=2, name="mla_decode_pth" if quantized else "mla_decode",
                        interpret=interpret, reduction_scratch_bytes=0)
-
