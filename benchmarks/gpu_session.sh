@@ -2,7 +2,7 @@
 # One device call: GPU tests, memcheck with hostile slots, diagnostics, benchmark.
 # Usage (device tool): bash benchmarks/gpu_session.sh
 #   [tests|decode|decode_bench|diag_decode|trace|regs|demo|step_profile|compile|eager|deepseek|moves|rope|
-#    rope_bench|sanitize|diag|diag_rows|diag_moves|ptx|bench|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
+#    rope_bench|sanitize|diag|diag_rows|diag_moves|ptx|bench|sweep_pth|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
 #
 # Budget notes (H200, jax 0.11.2; 30 min of device time a session, a cold start ~1-1.5 min):
 # a 61-layer Mosaic move kernel lowers in < 2 s of host time; the move GPU tests take ~100 s,
@@ -125,6 +125,10 @@ if want ptx; then   # the direct kernel's PTX and SASS for 61 per_token_head lay
 fi
 if want bench; then
   timeout 540 python3 -m jax_mla_cache bench --iters 10 --out "$OUT/h200.json" 2>&1 | tee "$OUT/bench.log"
+fi
+if want sweep_pth; then   # the per_token_head set's block and stage choices (sweep_rows.py)
+  timeout ${SWEEP_PTH_TIMEOUT:-240} python3 benchmarks/sweep_rows.py --ops pth \
+    --budget ${SWEEP_BUDGET:-180} 2>&1 | tee "$OUT/sweep_rows_pth.log"
 fi
 if want sweep; then
   timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_moves.py --cases ${SWEEP_CASES:-pth} \

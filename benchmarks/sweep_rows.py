@@ -83,6 +83,13 @@ VARIANTS = {
         ("r1", _r(NEW, max_reg_block_tokens=1), "B=1: 4096 programs at 4096, padding rows"),
         ("r2", _r(NEW, max_reg_block_tokens=2), "B=2: 2048 programs at 4096"),
         ("r8", _r(NEW, max_reg_block_tokens=8), "B=8 at 4096: ~3.2us"),
+        # Added 2026-12-05d, stages for this kernel (`chunks`): the loads of every stage are
+        # issued first, then each stage is quantized and stored while later ones land.
+        ("r8c2", _r(NEW, max_reg_block_tokens=8, chunks=2),
+         "B=8 as 2 x 4 at 4096: below B=4's 3.31us if load latency is what is left"),
+        ("r12c3", _r(NEW, max_reg_block_tokens=12, chunks=3), "B=12 as 3 x 4"),
+        ("r16c4", _r(NEW, max_reg_block_tokens=16, chunks=4),
+         "B=16 as 4 x 4: 256 programs at 4096, ~2 per SM"),
     ],
 }
 TITLES = {"set": "set_mla bf16 (set_rows)", "get": "get_mla bf16 (get_rows)",
@@ -92,7 +99,8 @@ TITLES = {"set": "set_mla bf16 (set_rows)", "get": "get_mla bf16 (get_rows)",
 def plan(op: str, T: int, cfg: pk.RowConfig) -> tuple:
   """What the kernel for (op, T, cfg) is: variants with equal plans compile the same."""
   if op == "pth":
-    return ("B", rk.reg_block_tokens(T, cfg))
+    B = rk.reg_block_tokens(T, cfg)
+    return ("B", B, "S", rk.stage_count(B, cfg.chunks))
   if op == "get" and cfg.direct_block_tokens:  # DeepSeek's bf16 rows take the direct gather
     return ("B", min(cfg.direct_block_tokens, T), "D", True)
   B = rk.copy_block_tokens(T, cfg)

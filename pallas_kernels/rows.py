@@ -121,10 +121,10 @@ class RowConfig:
       issuing any copy (one global-memory round trip). False is the old order: read a
       slot, issue its copies, read the next slot (each read waits behind the previous copy
       issue, B dependent round trips per program).
-    chunks: the pure-copy kernels split their block into this many stages with one
-      barrier each (the largest divisor of B not above it): stores of stage c start as
-      soon as stage c has landed in shared memory, while later stages still load. 1 = one
-      barrier for the whole block.
+    chunks: the pure-copy kernels and the per_token_head set split their block into this
+      many stages with one barrier each (the largest divisor of B not above it): stage c
+      is stored (per_token_head: quantized, then stored) as soon as it has landed in
+      shared memory, while later stages still load. 1 = one barrier for the whole block.
     reg_fill: register kernels round B (when above 4) up to the rows their shared-memory
       block has anyway (`common.reg_block_rows`, 4 mod 8), within max_reg_block_tokens and
       T, so no registers work on padding rows. False keeps B as computed.
@@ -504,7 +504,7 @@ def set_rows_per_token_head(
   build = functools.partial(
       _set_pth, T=T, rows=rows, R=R, Rr=Rr, rope_dtype=jnp.dtype(rope_buf.dtype),
       in_dtypes=(jnp.dtype(nope.dtype), jnp.dtype(rope.dtype)), B=B, pdl=pdl,
-      tag=config.kernel_tag, sanitize=sanitize,
+      stages=stage_count(B, config.chunks), tag=config.kernel_tag, sanitize=sanitize,
   )
   q, s, r = common.dispatch(
       build, nope_buf.reshape(rows, R), scale_buf.reshape(rows), rope_buf.reshape(rows, Rr),
@@ -564,31 +564,44 @@ def _fill_rows_from(x, n: int, layout, interpret: bool):
   return jnp.where(rows < n, x, jnp.ones_like(x))
 
 
-def _set_pth(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, B, pdl, tag="",
+def _set_pth(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, B, pdl, stages=1, tag="",
              sanitize=False):
-  Bc = common.reg_block_rows(B)
+  """The per_token_head set kernel: B tokens a program in `stages` stages of n = B / stages
+  tokens, each with its own shared-memory blocks and barrier: every stage's loads are
+  issued first, then stage c is quantized and stored while stages after it still land."""
+  n = B // stages
+  Bc = common.reg_block_rows(n)
   limits = tuple(map(common.finite_max, in_dtypes)) if sanitize else None
   ln = common.row_layout(R, in_dtypes[0], FP8_E4M3)
   lr = common.row_layout(Rr, in_dtypes[1], rope_dtype)
 
-  def body(loc_ref, n_ref, r_ref, qb_ref, sb_ref, rb_ref, nsm, rsm, qsm, rosm, ssm, bar):
-    rs = _load_tokens(loc_ref, [(n_ref, nsm), (r_ref, rsm)], bar, B=B, T=T, pdl=pdl,
-                      interpret=interpret)
-    qsm[...], rosm[...], ssm[...] = quantize_block(
-        plgpu.load(nsm, layout=ln).astype(F32), plgpu.load(rsm, layout=lr).astype(F32),
-        ln=ln, lr=lr, rope_dtype=rope_dtype, interpret=interpret, sanitize_limits=limits,
-        valid_rows=B, x_dtype=in_dtypes[0])
-    plgpu.commit_smem()  # fence for the bulk stores + warpgroup barrier for ssm reads
-    store_rows(rs, rows, [(qsm, qb_ref), (rosm, rb_ref)], [(ssm, sb_ref)])
+  def body(loc_ref, n_ref, r_ref, qb_ref, sb_ref, rb_ref, *scratch):
+    blocks, bar = [scratch[5 * c:5 * c + 5] for c in range(stages)], scratch[-1]
+    _pdl_prologue(pdl, interpret)
+    t0 = _block_start(B, T)
+    for c, (nsm, rsm, *_) in enumerate(blocks):
+      for src, dst in ((n_ref, nsm), (r_ref, rsm)):
+        plgpu.copy_gmem_to_smem(src.at[pl.ds(t0 + c * n, n)], dst.at[pl.ds(0, n)],
+                                _bar(bar, c, stages), **_PROMISE)
+    rs = [loc_ref[t0 + i] for i in range(B)]
+    for c, (nsm, rsm, qsm, rosm, ssm) in enumerate(blocks):
+      plgpu.barrier_wait(_bar(bar, c, stages))
+      qsm[...], rosm[...], ssm[...] = quantize_block(
+          plgpu.load(nsm, layout=ln).astype(F32), plgpu.load(rsm, layout=lr).astype(F32),
+          ln=ln, lr=lr, rope_dtype=rope_dtype, interpret=interpret, sanitize_limits=limits,
+          valid_rows=n, x_dtype=in_dtypes[0])
+      plgpu.commit_smem()  # fence for the bulk stores + warpgroup barrier for ssm reads
+      store_rows(rs[c * n:(c + 1) * n], rows, [(qsm, qb_ref), (rosm, rb_ref)],
+                 [(ssm, sb_ref)])
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+  stage_blocks = [plgpu.SMEM((Bc, R), in_dtypes[0]), plgpu.SMEM((Bc, Rr), in_dtypes[1]),
+                  plgpu.SMEM((Bc, R), FP8_E4M3), plgpu.SMEM((Bc, Rr), rope_dtype),
+                  plgpu.SMEM((Bc,), F32)]
   kernel = _kernel(
       body, out_type=(), grid=pl.cdiv(T, B), name="mla_set_rows_per_token_head" + tag,
-      interpret=interpret,
-      scratch=[plgpu.SMEM((Bc, R), in_dtypes[0]), plgpu.SMEM((Bc, Rr), in_dtypes[1]),
-               plgpu.SMEM((Bc, R), FP8_E4M3), plgpu.SMEM((Bc, Rr), rope_dtype),
-               plgpu.SMEM((Bc,), F32), plgpu.Barrier(num_arrivals=2)],
+      interpret=interpret, scratch=stage_blocks * stages + [_barriers(2, stages)],
   )
 
   def run(q2, s1, r2, loc, n2, rr2):

@@ -352,6 +352,27 @@ def test_per_token_head_set_get(rng, R, Rr, T, model, in_dtype):
     assert_same(gr, np_cast(grs.astype(F32) * gs, dst))
 
 
+@pytest.mark.parametrize("cfg,T", [
+    (pk.RowConfig(max_reg_block_tokens=8, target_programs=1, chunks=2), 13),   # 2 x 4, ragged
+    (pk.RowConfig(max_reg_block_tokens=12, target_programs=1, chunks=3), 12),  # 3 x 4
+    (pk.RowConfig(max_reg_block_tokens=6, target_programs=1, chunks=4), 7),    # 3 x 2 (6 % 4)
+])
+def test_per_token_head_set_staged(rng, cfg, T):
+  """`RowConfig.chunks` on the per_token_head set: stages of a block, each quantized and
+  stored while the next lands; hostile slots (negative, >= rows, int32 extremes), tiny,
+  huge and subnormal rows (`pth_inputs`)."""
+  R, Rr, model = 512, 64, jnp.bfloat16
+  nope, rope = pth_inputs(rng, T, R, Rr, jnp.bfloat16)
+  bufs = (values(rng, (ROWS, 1, R), E4M3, specials=False),
+          np.abs(values(rng, (ROWS, 1, 1), F32, specials=False)),
+          values(rng, (ROWS, 1, Rr), model, specials=False))
+  loc = hostile_loc(rng, T, ROWS)
+  q, s, r = jax.jit(functools.partial(pk.set_rows_per_token_head, config=cfg))(
+      *map(jnp.asarray, bufs), jnp.asarray(loc), jnp.asarray(nope), jnp.asarray(rope))
+  for got, buf, want in zip((q, s, r), bufs, np_quantize(nope, rope, model)):
+    assert_same(got, np_scatter(buf, loc, want))
+
+
 def test_per_token_head_true_division(rng):
   """f32 rope storage exposes any x * (1/scale) shortcut (it rounds differently)."""
   R, Rr, T = 256, 64, 33
@@ -498,10 +519,12 @@ def test_lower_cuda_get_rows(T, storage, dst, cfg):
 def test_lower_cuda_per_token_head(T, R, Rr, model, in_dtype):
   bufs = (S((BIG_ROWS, 1, R), E4M3), S((BIG_ROWS, 1, 1), jnp.float32),
           S((BIG_ROWS, 1, Rr), model))
-  text = lower_cuda(functools.partial(pk.set_rows_per_token_head, pdl=T == 1), *bufs,
-                    S((T,), jnp.int32), S((T, 1, R), in_dtype), S((T, 1, Rr), in_dtype),
-                    donate=(0, 1, 2))
-  assert_aliased(text, 3)
+  configs = [None] + ([pk.RowConfig(max_reg_block_tokens=8, chunks=2)] if T > 1 else [])
+  for cfg in configs:   # the tuned choice, and two stages of four tokens
+    text = lower_cuda(functools.partial(pk.set_rows_per_token_head, pdl=T == 1, config=cfg),
+                      *bufs, S((T,), jnp.int32), S((T, 1, R), in_dtype),
+                      S((T, 1, Rr), in_dtype), donate=(0, 1, 2))
+    assert_aliased(text, 3)
   text = lower_cuda(functools.partial(pk.get_rows_per_token_head, dst_dtype=model), *bufs,
                     S((T,), jnp.int32))
   assert kernel_operand_counts(text) == [4]  # the three buffers and the slots
@@ -624,14 +647,17 @@ def test_gpu_set_get_rows(T, storage, in_dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", GPU_TS)
 @pytest.mark.parametrize("model", [jnp.bfloat16, jnp.float32])
-def test_gpu_per_token_head(T, model):
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_gpu_per_token_head(T, model, chunks):
   rng = np.random.default_rng(T + 1)
   R, Rr, rows = 512, 64, BIG_ROWS
   nope, rope = pth_inputs(rng, T, R, Rr, model)
   bufs = (np.zeros((rows, 1, R), E4M3), np.ones((rows, 1, 1), F32),
           np.zeros((rows, 1, Rr), model))
   loc = gpu_loc(rng, T, rows)
-  set_fn = jax.jit(pk.set_rows_per_token_head, donate_argnums=(0, 1, 2))
+  config = None if chunks == 1 else pk.RowConfig(max_reg_block_tokens=8, chunks=chunks)
+  set_fn = jax.jit(functools.partial(pk.set_rows_per_token_head, config=config),
+                   donate_argnums=(0, 1, 2))
   q, s, r = (np.asarray(a) for a in set_fn(*map(jnp.asarray, bufs), jnp.asarray(loc),
                                             jnp.asarray(nope), jnp.asarray(rope)))
   wq, ws, wr = np_quantize(nope, rope, model)
