@@ -169,8 +169,14 @@ TUNED_CONFIGS = {
             (4096, dataclasses.replace(DEFAULT_CONFIG, direct_block_tokens=4)),
             (None, dataclasses.replace(DEFAULT_CONFIG, max_block_tokens=16,
                                        direct_block_tokens=4))),
+    # per_token_head set above T = 4096: B = 8 in two stages of 4 (the loads of both issued
+    # first, the first quantized and stored while the second lands): 18.3 / 18.5 us at
+    # T = 32768 vs 20.7 for B = 4 in one stage; at 4096 one stage of 4 stays faster (3.42 vs
+    # 3.69). Two runs on one H200, 2026-12-05e (logs/2026-12-05e_sweep_rows_pth*.log).
     "set_per_token_head": ((64, DEFAULT_CONFIG), (512, LEGACY_CONFIG),
-                           (None, dataclasses.replace(DEFAULT_CONFIG, max_reg_block_tokens=4))),
+                           (4096, dataclasses.replace(DEFAULT_CONFIG, max_reg_block_tokens=4)),
+                           (None, dataclasses.replace(DEFAULT_CONFIG, max_reg_block_tokens=8,
+                                                      chunks=2))),
     "get_per_token_head": ((None, DEFAULT_CONFIG),),
 }
 
