@@ -229,19 +229,21 @@ def _public(jitted: Callable) -> Callable:
   return op
 
 
-def on_layer(core: Callable, cache: MLAKVCache, layer_id: int, *args, **kwargs) -> Any:
+def on_layer(core: Callable, cache: Any, layer_id: int, *args, **kwargs) -> Any:
   """``core(view, 0, *args, **kwargs)`` on the layer alone (``view =
   cache.layer_view(layer_id)``), each cache it returns put back into `cache`
   (`with_layer_results`): how every public per-layer op runs its jitted core, so that all
-  layers of a cache share one trace of it (and outside a jit one executable)."""
+  layers of a cache share one trace of it (and outside a jit one executable). `cache` is
+  an `MLAKVCache` or a `sharding.ShardedMLAKVCache` (the same two methods)."""
   return with_layer_results(cache, layer_id, core(cache.layer_view(layer_id), 0, *args,
                                                   **kwargs))
 
 
-def with_layer_results(cache: MLAKVCache, layer_id: int, out: Any) -> Any:
+def with_layer_results(cache: Any, layer_id: int, out: Any) -> Any:
   """A per-layer op's results on `cache.layer_view(layer_id)` with each returned cache
-  (the view) put back into `cache` (`MLAKVCache.with_layer`); other results unchanged."""
-  if isinstance(out, MLAKVCache):
+  (the view, of `cache`'s type) put back into `cache` (`with_layer`); other results
+  unchanged."""
+  if isinstance(out, type(cache)):
     return cache.with_layer(layer_id, out)
   if isinstance(out, tuple):
     return tuple(with_layer_results(cache, layer_id, x) for x in out)

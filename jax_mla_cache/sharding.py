@@ -189,6 +189,14 @@ class ShardedMLAKVCache:
   def replace(self, cache: MLAKVCache) -> "ShardedMLAKVCache":
     return dataclasses.replace(self, cache=cache)
 
+  def layer_view(self, layer_id: int) -> "ShardedMLAKVCache":
+    """Layer `layer_id` alone, as a one-layer sharded cache (`MLAKVCache.layer_view`)."""
+    return self.replace(self.cache.layer_view(layer_id))
+
+  def with_layer(self, layer_id: int, view: "ShardedMLAKVCache") -> "ShardedMLAKVCache":
+    """A new state with layer `layer_id` taken from a `layer_view`."""
+    return self.replace(self.cache.with_layer(layer_id, view.cache))
+
 
 def init_sharded_cache(config: MLACacheConfig, layout: ShardedLayout) -> ShardedMLAKVCache:
   """A zero-filled cache of logical geometry `config` laid out as `layout`."""
@@ -662,17 +670,14 @@ def sharded_op(op: ShardedOp) -> Callable:
     arrays = {n: arguments.pop(n) for n in op.arguments}
 
     def run(target, arrays):
-      """The jitted program on `target`; a per-layer op on the layer alone (layer 0 of
-      `MLAKVCache.layer_view`), so that every layer shares one trace, put back after."""
+      """The jitted program on `target`; a per-layer op on the layer alone, put back after
+      (`dispatch.on_layer`, as the unsharded ops do: every layer shares one trace)."""
+      def program(view, layer_id):
+        return jitted(view, arrays, tuple({**arguments, "layer_id": layer_id}.items()))
+
       if not op.per_layer:
         return jitted(target, arrays, tuple(arguments.items()))
-      layer_id = arguments["layer_id"]
-      view = target.replace(target.cache.layer_view(layer_id))
-      out = jitted(view, arrays, tuple({**arguments, "layer_id": 0}.items()))
-      outs = out if len(op.results) > 1 else (out,)
-      outs = tuple(target.replace(target.cache.with_layer(layer_id, x.cache)) if kind == CACHE
-                   else x for kind, x in zip(op.results, outs))
-      return outs if len(outs) > 1 else outs[0]
+      return dispatch.on_layer(program, target, arguments["layer_id"])
 
     if layout.kind != "pipeline":
       return run(cache, arrays)
