@@ -304,14 +304,28 @@ def _block_start(B: int, T: int):
 _PROMISE = dict(oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
 
 
-def _load_tokens(loc_ref, blocks, bar, *, B: int, T: int, pdl: bool, interpret: bool):
-  """The register write kernels' start: bulk-load the program's B input rows of every
-  (gmem input, smem block) pair on `bar`, read their slots, wait. Returns the slots."""
+def _issue_token_loads(loc_ref, stage_blocks, bar, *, B: int, T: int, pdl: bool,
+                       interpret: bool):
+  """The write kernels' start: bulk-load the program's B input rows, in stages of
+  n = B / len(stage_blocks) tokens, stage c's (gmem input, smem destination of n rows)
+  pairs on barrier c (`_bar`); then read the B slots. Every load is issued before the
+  first slot read; nothing is waited for. Returns the slots."""
   _pdl_prologue(pdl, interpret)
   t0 = _block_start(B, T)
-  for src, dst in blocks:
-    plgpu.copy_gmem_to_smem(src.at[pl.ds(t0, B)], dst.at[pl.ds(0, B)], bar, **_PROMISE)
-  rs = [loc_ref[t0 + i] for i in range(B)]
+  stages = len(stage_blocks)
+  n = B // stages
+  for c, pairs in enumerate(stage_blocks):
+    for src, dst in pairs:
+      plgpu.copy_gmem_to_smem(src.at[pl.ds(t0 + c * n, n)], dst, _bar(bar, c, stages),
+                              **_PROMISE)
+  return [loc_ref[t0 + i] for i in range(B)]
+
+
+def _load_tokens(loc_ref, blocks, bar, *, B: int, T: int, pdl: bool, interpret: bool):
+  """`_issue_token_loads` in one stage into rows [0, B) of each (gmem input, smem block)
+  pair, then wait for them. Returns the slots."""
+  rs = _issue_token_loads(loc_ref, [[(src, dst.at[pl.ds(0, B)]) for src, dst in blocks]],
+                          bar, B=B, T=T, pdl=pdl, interpret=interpret)
   plgpu.barrier_wait(bar)
   return rs
 
@@ -399,15 +413,10 @@ def _set_rows_copy(interpret, *, T, rows, R, Rr, dtype, B, pdl, stages=1, tag=""
   n = B // stages  # tokens per stage
 
   def body(loc_ref, n_ref, r_ref, kv_ref, nsm, rsm, bar):
-    _pdl_prologue(pdl, interpret)
-    t0 = _block_start(B, T)
-    for c in range(stages):
-      s0 = c * n
-      plgpu.copy_gmem_to_smem(n_ref.at[pl.ds(t0 + s0, n)], _stage(nsm, s0, n, stages),
-                              _bar(bar, c, stages), **_PROMISE)
-      plgpu.copy_gmem_to_smem(r_ref.at[pl.ds(t0 + s0, n)], _stage(rsm, s0, n, stages),
-                              _bar(bar, c, stages), **_PROMISE)
-    rs = [loc_ref[t0 + i] for i in range(B)]
+    rs = _issue_token_loads(
+        loc_ref, [[(n_ref, _stage(nsm, c * n, n, stages)), (r_ref, _stage(rsm, c * n, n, stages))]
+                  for c in range(stages)],
+        bar, B=B, T=T, pdl=pdl, interpret=interpret)
     for c in range(stages):
       plgpu.barrier_wait(_bar(bar, c, stages))
       for i in range(c * n, (c + 1) * n):
@@ -583,13 +592,10 @@ def _set_pth(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, B, pdl, stages
 
   def body(loc_ref, n_ref, r_ref, qb_ref, sb_ref, rb_ref, *scratch):
     blocks, bar = [scratch[5 * c:5 * c + 5] for c in range(stages)], scratch[-1]
-    _pdl_prologue(pdl, interpret)
-    t0 = _block_start(B, T)
-    for c, (nsm, rsm, *_) in enumerate(blocks):
-      for src, dst in ((n_ref, nsm), (r_ref, rsm)):
-        plgpu.copy_gmem_to_smem(src.at[pl.ds(t0 + c * n, n)], dst.at[pl.ds(0, n)],
-                                _bar(bar, c, stages), **_PROMISE)
-    rs = [loc_ref[t0 + i] for i in range(B)]
+    rs = _issue_token_loads(
+        loc_ref, [[(n_ref, nsm.at[pl.ds(0, n)]), (r_ref, rsm.at[pl.ds(0, n)])]
+                  for nsm, rsm, *_ in blocks],
+        bar, B=B, T=T, pdl=pdl, interpret=interpret)
     for c, (nsm, rsm, qsm, rosm, ssm) in enumerate(blocks):
       plgpu.barrier_wait(_bar(bar, c, stages))
       qsm[...], rosm[...], ssm[...] = quantize_block(
