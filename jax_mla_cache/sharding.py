@@ -672,11 +672,12 @@ def sharded_op(op: ShardedOp) -> Callable:
     def run(target, arrays):
       """The jitted program on `target`; a per-layer op on the layer alone, put back after
       (`dispatch.on_layer`, as the unsharded ops do: every layer shares one trace)."""
+      if not op.per_layer:
+        return jitted(target, arrays, tuple(arguments.items()))
+
       def program(view, layer_id):
         return jitted(view, arrays, tuple({**arguments, "layer_id": layer_id}.items()))
 
-      if not op.per_layer:
-        return jitted(target, arrays, tuple(arguments.items()))
       return dispatch.on_layer(program, target, arguments["layer_id"])
 
     if layout.kind != "pipeline":
