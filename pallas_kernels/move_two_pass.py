@@ -190,6 +190,27 @@ def _chunk_start(pdl: bool, per_program: int, indices, barrier):
   return first
 
 
+def _through_stage(per_program: int, stage_type, load, store) -> None:
+  """A program's items through shared memory, one slot and barrier each: ``load(i, slot,
+  barrier)`` for every item (it issues item i's copy, or nothing), then ``store(i, stage,
+  barrier)`` for every item (it waits for the copy and stores it, or nothing); returns once
+  the stores have read shared memory. Both passes run their items this way."""
+
+  def scoped(stage, barriers):
+    @pl.loop(0, per_program)
+    def _(i):
+      load(i, stage.at[i], barriers.at[i])
+
+    @pl.loop(0, per_program)
+    def _(i):
+      store(i, stage, barriers.at[i])
+
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  pl.run_scoped(scoped, stage_type, plgpu.Barrier(num_arrivals=1, num_barriers=per_program))
+
+
 def _save_endangered(interpret, views, item_src, item_save, *, groups, num_items,
                      per_program, item_rows, pdl):
   """Pass 1: ``temp[item] = view[item_src[item]]`` for the items marked in ``item_save``."""
@@ -205,29 +226,23 @@ def _save_endangered(interpret, views, item_src, item_save, *, groups, num_items
     def group_body(g, member, group_sources):
       temp, n = temp_of[g], g.narrow
 
-      def scoped(stage, barriers):
-        @pl.loop(0, per_program)
-        def _(i):
-          @pl.when(save_smem[i] != 0)
-          def _():
-            row = src_smem[i]
-            switch(member, group_sources, lambda v: mc.load(
-                _source(v, n, row, item_rows), stage.at[i], barriers.at[i]))
+      def load(i, slot, barrier):
+        @pl.when(save_smem[i] != 0)
+        def _():
+          row = src_smem[i]
+          switch(member, group_sources, lambda v: mc.load(
+              _source(v, n, row, item_rows), slot, barrier))
 
-        @pl.loop(0, per_program)
-        def _(i):
-          @pl.when(save_smem[i] != 0)
-          def _():
-            plgpu.barrier_wait(barriers.at[i])
-            plgpu.copy_smem_to_gmem(
-                stage.at[i], _saved_slot(temp, member, first + i, n, item_rows),
-                commit_group=False)
+      def store(i, stage, barrier):
+        @pl.when(save_smem[i] != 0)
+        def _():
+          plgpu.barrier_wait(barrier)
+          plgpu.copy_smem_to_gmem(
+              stage.at[i], _saved_slot(temp, member, first + i, n, item_rows),
+              commit_group=False)
 
-        plgpu.commit_smem_to_gmem_group()
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-      pl.run_scoped(scoped, _stage_type(group_sources[0], n, per_program, item_rows),
-                    plgpu.Barrier(num_arrivals=1, num_barriers=per_program))
+      _through_stage(per_program, _stage_type(group_sources[0], n, per_program, item_rows),
+                     load, store)
 
     _for_groups(groups, sources, group_body)
 
@@ -261,47 +276,40 @@ def _move_items(refs, item_src, item_tgt, item_save, temps, *, groups, num_items
     def group_body(g, member, group_buffers):
       temp, n = temp_of[g], g.narrow
 
-      def scoped(stage, barriers):
-        @pl.loop(0, per_program)
-        def _(i):
-          moved = tgt_smem[i] >= 0
-          from_temp = save_smem[i] != 0
+      def load(i, slot, barrier):
+        moved = tgt_smem[i] >= 0
+        from_temp = save_smem[i] != 0
 
-          @pl.when(moved & from_temp)
-          def _():
-            mc.load(_saved_slot(temp, member, first + i, n, item_rows), stage.at[i],
-                    barriers.at[i])
+        @pl.when(moved & from_temp)
+        def _():
+          mc.load(_saved_slot(temp, member, first + i, n, item_rows), slot, barrier)
 
-          @pl.when(moved & jnp.logical_not(from_temp))
-          def _():
-            row = src_smem[i]
-            switch(member, group_buffers, lambda b: mc.load(
-                _source(b, n, row, item_rows), stage.at[i], barriers.at[i]))
+        @pl.when(moved & jnp.logical_not(from_temp))
+        def _():
+          row = src_smem[i]
+          switch(member, group_buffers, lambda b: mc.load(
+              _source(b, n, row, item_rows), slot, barrier))
 
-        @pl.loop(0, per_program)
-        def _(i):
-          row = tgt_smem[i]
+      def store(i, stage, barrier):
+        row = tgt_smem[i]
 
-          @pl.when(row >= 0)
-          def _():
-            plgpu.barrier_wait(barriers.at[i])
-            if n:
-              source = src_smem[i]
-              value = stage[i, source - mc.window_start(source, mc.window(stage.dtype))]
+        @pl.when(row >= 0)
+        def _():
+          plgpu.barrier_wait(barrier)
+          if n:
+            source = src_smem[i]
+            value = stage[i, source - mc.window_start(source, mc.window(stage.dtype))]
 
-              def put(b):
-                b[row] = value
-            else:
-              def put(b):
-                plgpu.copy_smem_to_gmem(stage.at[i], b.at[pl.ds(row, item_rows)],
-                                        commit_group=False)
-            switch(member, group_buffers, put)
+            def put(b):
+              b[row] = value
+          else:
+            def put(b):
+              plgpu.copy_smem_to_gmem(stage.at[i], b.at[pl.ds(row, item_rows)],
+                                      commit_group=False)
+          switch(member, group_buffers, put)
 
-        plgpu.commit_smem_to_gmem_group()
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-      pl.run_scoped(scoped, _stage_type(group_buffers[0], n, per_program, item_rows),
-                    plgpu.Barrier(num_arrivals=1, num_barriers=per_program))
+      _through_stage(per_program, _stage_type(group_buffers[0], n, per_program, item_rows),
+                     load, store)
 
     _for_groups(groups, buffers, group_body)
 
