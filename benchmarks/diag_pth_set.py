@@ -5,6 +5,8 @@ only: the variants' results are not the library's.
 * base     -- the shipped kernel;
 * recip    -- every quotient (nope and rope) as ``x * (1 / scale)``: the cost of exact
               division, whichever way the shipped kernel does it;
+* clip     -- the fp8 cast with the clip to +-448 that interpret mode needs (the shipped
+              kernel leaves it to the saturating conversion since session 2026-12-05f);
 * bf16 set -- the plain set of the same tokens, for the ratio.
 
 (Runs of 2026-12-04c: before 77f3204 `recip` replaced every ``div.rn.f32`` (1.71 -> 1.23 us
@@ -12,7 +14,7 @@ at T=1); in the run after it, `recip` still replaced only `common.true_divide`, 
 rope quotients alone (1.32 -> 1.28 us). A third variant without amax or division never
 printed on the GPU and was removed.)
 
-    PYTHONPATH=$PWD python3 benchmarks/diag_pth_set.py [--tokens 1,64,512,4096]
+    PYTHONPATH=$PWD python3 benchmarks/diag_pth_set.py [--tokens 1,64,512,4096,32768]
 """
 
 import argparse
@@ -29,6 +31,7 @@ from pallas_kernels import common, rows
 
 _true_divide = common.true_divide
 _scale_divide = common.scale_divide
+_to_fp8 = rows._to_fp8
 
 
 def _recip_divide(x, per_row, interpret, layout=None, row_layout=None):
@@ -41,14 +44,17 @@ def variant(name):
   try:
     if name == "recip":
       common.true_divide = common.scale_divide = _recip_divide
+    if name == "clip":
+      rows._to_fp8 = lambda q, interpret: common.cast_from_f32(q, jnp.float8_e4m3fn)
     yield
   finally:
     common.true_divide, common.scale_divide = _true_divide, _scale_divide
+    rows._to_fp8 = _to_fp8
 
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--tokens", default="1,64,512,4096")
+  parser.add_argument("--tokens", default="1,64,512,4096,32768")
   parser.add_argument("--iters", type=int, default=10)
   args = parser.parse_args()
   cfg = mc.DEEPSEEK_V3.replace(layer_num=1)
@@ -62,7 +68,7 @@ def main():
     us, *_ = bench.time_per_call(lambda st: (f(*st), *st[1:]),
                                  (mc.init_cache(cfg), loc, nope, rope), args.iters)
     print(f"T={T:5d} bf16 set  {us:7.2f} us", flush=True)
-    for name in ("base", "recip"):
+    for name in ("base", "clip", "recip"):
       config = dataclasses.replace(rows.tuned_config("set_per_token_head", T),
                                    kernel_tag="_" + name)
       with variant(name):

@@ -2,7 +2,7 @@
 # One device call: GPU tests, memcheck with hostile slots, diagnostics, benchmark.
 # Usage (device tool): bash benchmarks/gpu_session.sh
 #   [tests|decode|decode_bench|diag_decode|trace|regs|demo|step_profile|compile|eager|deepseek|moves|rope|
-#    rope_bench|sanitize|diag|diag_rows|diag_moves|ptx|bench|sweep_pth|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
+#    rope_bench|sanitize|diag|diag_rows|diag_pth|diag_moves|ptx|bench|sweep_pth|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
 #
 # Budget notes (H200, jax 0.11.2; 30 min of device time a session, a cold start ~1-1.5 min):
 # a 61-layer Mosaic move kernel lowers in < 2 s of host time; the move GPU tests take ~100 s,
@@ -111,6 +111,11 @@ if want diag_rows; then   # small-T row kernels: floors, zeroing variants, direc
   timeout 170 python3 benchmarks/diag_get.py 2>&1 | tee "$OUT/diag_get.log"
   timeout 170 python3 benchmarks/diag_direct.py 2>&1 | grep -v "Warning" | tee "$OUT/diag_direct.log"
   timeout 120 python3 benchmarks/diag_floor.py 2>&1 | tee "$OUT/diag_floor.log"
+fi
+if want diag_pth; then   # the per_token_head set: its GPU tests (stored bits), then variants timed
+  timeout -s INT ${DIAG_PTH_TEST_TIMEOUT:-200} "${PYTEST[@]}" tests/test_pallas_rows.py \
+    -k "gpu_per_token_head" > "$OUT/gpu_pth_tests.log" 2>&1; tail -4 "$OUT/gpu_pth_tests.log"
+  timeout 150 python3 benchmarks/diag_pth_set.py 2>&1 | tee "$OUT/diag_pth_set.log"
 fi
 if want diag; then
   timeout 100 python3 benchmarks/diag_gpu.py 2>&1 | tee "$OUT/diag.log"

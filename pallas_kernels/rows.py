@@ -565,12 +565,22 @@ def quantize_block(x, y, *, ln, lr, rope_dtype, interpret, sanitize_limits=None,
     quotient = common.scale_divide(x, scale, interpret, ln, ln.reduce(1))
   else:
     quotient = common.true_divide(x, scale, interpret, ln)
-  q = common.cast_from_f32(quotient, FP8_E4M3)
+  q = _to_fp8(quotient, interpret)
   rope = common.true_divide(y, scale, interpret, lr)
   if sanitize_limits is not None:
     limit = common.finite_max(rope_dtype)
     rope = jnp.clip(rope, -limit, limit)
   return q, common.cast_from_f32(rope, rope_dtype), scale
+
+
+def _to_fp8(quotient, interpret: bool):
+  """float32 quotients (|q| <= 448 up to rounding, or NaN) -> float8_e4m3fn, SPEC §3. Mosaic
+  GPU converts with ``cvt.rn.satfinite`` (NaN stays NaN, beyond +-448 gives +-448), so the
+  clip of `common.cast_from_f32` would only add two instructions a value there; interpret
+  mode needs it (XLA's convert gives NaN past the range)."""
+  if interpret:
+    return common.cast_from_f32(quotient, FP8_E4M3)
+  return quotient.astype(FP8_E4M3)
 
 
 def _fill_rows_from(x, n: int, layout, interpret: bool):
