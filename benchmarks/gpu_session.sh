@@ -8,7 +8,9 @@
 # a 61-layer Mosaic move kernel lowers in < 2 s of host time; the move GPU tests take ~100 s,
 # the decode GPU tests ~180 s, `decode_bench` (4 impls, 7 shapes) ~150 s, `demo` ~2 x 75 s,
 # the full benchmark ~5 min and the GPU tests ~6 min. Each part has its own timeout; pytest
-# gets SIGINT so it still prints its summary, and every part writes its log under $OUT.
+# gets SIGINT so it still prints its summary (and SIGKILL 20 s later: a kernel that hangs
+# ignores SIGINT, and one hung test once took a whole call), and every part writes its log
+# under $OUT.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -17,12 +19,12 @@ want() { for p in "${parts[@]}"; do [ "$p" = all ] || [ "$p" = "$1" ] && return 
 PYTEST=(python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short)
 nvidia-smi -L; python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 if want tests; then   # everything but the 61-layer move kernels (~150 s warm, ~220 s cold)
-  timeout -s INT 300 "${PYTEST[@]}" tests/test_gpu_host_tier.py tests/test_gpu_seed.py \
+  timeout -s INT -k 20 300 "${PYTEST[@]}" tests/test_gpu_host_tier.py tests/test_gpu_seed.py \
     tests/test_inplace.py tests/test_pallas_rows.py tests/test_sharding.py \
     > "$OUT/gpu_tests.log" 2>&1; tail -15 "$OUT/gpu_tests.log"
 fi
 if want decode; then  # mla_decode kernel vs the XLA reference
-  timeout -s INT ${DECODE_TIMEOUT:-240} "${PYTEST[@]}" --durations=5 tests/test_mla_decode.py \
+  timeout -s INT -k 20 ${DECODE_TIMEOUT:-240} "${PYTEST[@]}" --durations=5 tests/test_mla_decode.py \
     > "$OUT/gpu_decode_tests.log" 2>&1; tail -25 "$OUT/gpu_decode_tests.log"
 fi
 if want diag_decode; then  # per_token_head decode kernel variants + its SASS
@@ -82,17 +84,17 @@ if want decode_bench; then
     --no-plot --out "$OUT/decode.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/decode_bench.log"
 fi
 if want deepseek; then  # DeepSeek-V3 on the cache vs transformers' logits, then the demo section
-  timeout -s INT ${DEEPSEEK_TIMEOUT:-300} "${PYTEST[@]}" -s --durations=5 tests/test_deepseek_v3.py \
+  timeout -s INT -k 20 ${DEEPSEEK_TIMEOUT:-300} "${PYTEST[@]}" -s --durations=5 tests/test_deepseek_v3.py \
     > "$OUT/gpu_deepseek_tests.log" 2>&1; tail -25 "$OUT/gpu_deepseek_tests.log"
   timeout ${DEEPSEEK_DEMO_TIMEOUT:-300} python3 -c "from jax_mla_cache import demo; demo.deepseek_main()" \
     2>&1 | tee "$OUT/deepseek_demo.log"
 fi
 if want moves; then   # 61-layer move kernels (~100 s)
-  timeout -s INT ${MOVES_TIMEOUT:-300} "${PYTEST[@]}" --durations=5 tests/test_pallas_move.py \
+  timeout -s INT -k 20 ${MOVES_TIMEOUT:-300} "${PYTEST[@]}" --durations=5 tests/test_pallas_move.py \
     > "$OUT/gpu_move_tests.log" 2>&1; tail -15 "$OUT/gpu_move_tests.log"
 fi
 if want rope; then    # the fused RoPE write and the sanitizing writes: GPU tests
-  timeout -s INT ${ROPE_TIMEOUT:-420} "${PYTEST[@]}" --durations=5 tests/test_rope_set.py \
+  timeout -s INT -k 20 ${ROPE_TIMEOUT:-420} "${PYTEST[@]}" --durations=5 tests/test_rope_set.py \
     tests/test_sanitize.py > "$OUT/gpu_rope_tests.log" 2>&1; tail -15 "$OUT/gpu_rope_tests.log"
 fi
 if want rope_bench; then   # the fused RoPE write's benchmark rows alone (pallas/unfused/xla)
@@ -113,7 +115,7 @@ if want diag_rows; then   # small-T row kernels: floors, zeroing variants, direc
   timeout 120 python3 benchmarks/diag_floor.py 2>&1 | tee "$OUT/diag_floor.log"
 fi
 if want diag_pth; then   # the per_token_head set: its GPU tests (stored bits), then variants timed
-  timeout -s INT ${DIAG_PTH_TEST_TIMEOUT:-200} "${PYTEST[@]}" tests/test_pallas_rows.py \
+  timeout -s INT -k 20 ${DIAG_PTH_TEST_TIMEOUT:-200} "${PYTEST[@]}" tests/test_pallas_rows.py \
     -k "gpu_per_token_head" > "$OUT/gpu_pth_tests.log" 2>&1; tail -4 "$OUT/gpu_pth_tests.log"
   timeout 150 python3 benchmarks/diag_pth_set.py 2>&1 | tee "$OUT/diag_pth_set.log"
 fi
