@@ -38,11 +38,11 @@ from pallas_kernels import common
 from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, DecodeConfig, Geometry, combine,
                                        num_sms, split_count)
-from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8, copy_block,
-                                             decode_kernel, masked_positions, online_softmax,
-                                             page_flags, page_table, produce, program_blocks,
+from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8,
+                                             copy_block, decode_kernel, masked_positions,
+                                             online_softmax, page_flags, produce, program,
                                              prologue, publish_weights, softmax_end,
-                                             softmax_start, zero_masked_rows)
+                                             softmax_start, warpgroup_sync, zero_masked_rows)
 from pallas_kernels.mla_decode_narrow import CONVERT_LAYOUT, SMEM_LIMIT
 
 MAX_ROWS = 16
@@ -99,11 +99,8 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
     # alpha (then the lse) and the sum: one buffer (each allocation takes a whole KB),
     # which leaves room for the in-kernel profiler's records (common.PROFILE).
     alpha_smem, l_smem = stats_smem.at[0], stats_smem.at[1]
-    pt_ref, ok_ref, len_ref, masked_ref = page_table(meta_ref, P)
-    sp = lax.axis_index("s")
-    b = lax.axis_index("b")
-    wg = lax.axis_index("wg")
-    length, first, n_steps = program_blocks(len_ref, b, sp, splits)
+    (pt_ref, ok_ref, _, masked_ref), b, sp, wg, length, first, n_steps = program(
+        meta_ref, P, splits)
 
     def load(i, src, dst, barrier):
       """TMA copies of the program's block i of `src` into `dst`, through the page table."""
@@ -240,21 +237,17 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
           plgpu.barrier_wait(tile_free.at[lax.rem(i, 2)])
         return acc
 
-      def sync_compute():
-        plgpu.barrier_arrive(sync_bar)
-        plgpu.barrier_wait(sync_bar)
-
       def epilogue(acc, cols):
         """Both compute warpgroups: out^T / sum, staged in q's buffer (a TMA source must be
         contiguous: the whole buffer goes out, (N, R + Rr), its last Rr columns unused)."""
-        sync_compute()
+        warpgroup_sync(sync_bar)
         l_all = plgpu.load(l_smem, layout=col_vec)
         has = l_all > 0
         inv = jnp.where(has, 1.0 / jnp.where(has, l_all, 1.0), 0.0)
         out = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
         q_smem.at[:, cols].transpose((1, 0))[...] = out.astype(dtype)
         plgpu.commit_smem()
-        sync_compute()
+        warpgroup_sync(sync_bar)
 
         @pl.when(wg == 0)
         def _():

@@ -51,10 +51,9 @@ from pallas_kernels.mla_decode import (BLOCK_KV, DecodeConfig, Geometry, combine
                                        num_sms, split_count)
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8,
                                              decode_kernel, kv_scratch, masked_positions,
-                                             online_softmax, page_flags, page_table,
-                                             program_blocks, prologue, publish_weights,
-                                             ring_loader, softmax_end, softmax_start,
-                                             zero_masked_rows)
+                                             online_softmax, page_flags, program, prologue,
+                                             publish_weights, ring_loader, softmax_end,
+                                             softmax_start, warpgroup_sync, zero_masked_rows)
 
 MAX_ROWS = 32       # query rows (s_q x H) this path takes
 SMEM_LIMIT = 227 * 1024
@@ -127,16 +126,9 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
        q_smem, kv_smem, p_smem, o_smem, alpha_smem, l_smem,
        q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free) = refs
       planes, ring = (kv_ref,), (kv_smem,)
-    pt_ref, ok_ref, len_ref, _ = page_table(meta_ref, P)
-    sp = lax.axis_index("s")
-    b = lax.axis_index("b")
-    wg = lax.axis_index("wg")
-    length, first, n_steps = program_blocks(len_ref, b, sp, splits)
+    prog = program(meta_ref, P, splits)
+    (pt_ref, ok_ref, _, _), b, sp, wg, length, first, n_steps = prog
     col0 = pl.ds(wg * half, half)
-
-    def sync_compute():
-      plgpu.barrier_arrive(sync_bar)
-      plgpu.barrier_wait(sync_bar)
 
     def values_tile(slot):
       """This warpgroup's half of the value columns of the block in `slot`."""
@@ -147,9 +139,8 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
       return accumulate(acc, values_tile(slot).transpose((1, 0)), p_smem.transpose((1, 0)),
                         interpret)
 
-    ring_io = ring_loader(wg == 1, planes, ring, kv_bar=kv_bar, free_bar=free_bar,
-                          stages=stages, pt_ref=pt_ref, b=b, first=first, n_steps=n_steps,
-                          page_size=page_size, P=P)
+    ring_io = ring_loader(wg == 1, planes, ring, prog, kv_bar=kv_bar, free_bar=free_bar,
+                          stages=stages, page_size=page_size, P=P)
 
     def _compute():
       ring_io.start()
@@ -211,14 +202,14 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
           # products must be done before it is overwritten, and both halves converted
           # before the score product reads it.
           with jax.named_scope("sync_done"):
-            sync_compute()
+            warpgroup_sync(sync_bar)
           with jax.named_scope("convert"):
             convert_fp8(kv_smem, key_tile, (pl.ds(wg * half + c * CONVERT_COLS, CONVERT_COLS)
                                             for c in range(half // CONVERT_COLS)),
                         dtype, CONVERT_LAYOUT, src_lead=(slot,))
             plgpu.commit_smem()
           with jax.named_scope("sync_converted"):
-            sync_compute()
+            warpgroup_sync(sync_bar)
 
           @pl.when(wg == 1)
           def _():
@@ -257,7 +248,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quan
         softmax_end(m_i, l_part, n_steps, l_smem=l_smem, staging=alpha_smem, p_free=p_free,
                     dst=lse_ref.at[b, sp])
 
-      sync_compute()
+      warpgroup_sync(sync_bar)
       l_all = plgpu.load(l_smem, layout=col_vec)
       has = l_all > 0
       inv = jnp.where(has, 1.0 / jnp.where(has, l_all, 1.0), 0.0)

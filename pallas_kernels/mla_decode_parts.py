@@ -149,6 +149,35 @@ def program_blocks(len_ref, b, sp, splits: int):
   return length, first, n_steps
 
 
+class Program(NamedTuple):
+  """Where one decode program is: sequence b, split sp, warpgroup wg, the page table's
+  views, the sequence's clamped length and the split's blocks (first, n_steps)."""
+
+  table: PageTable
+  b: jax.Array
+  sp: jax.Array
+  wg: jax.Array
+  length: jax.Array
+  first: jax.Array
+  n_steps: jax.Array
+
+
+def program(meta_ref, P: int, splits: int) -> Program:
+  """The `Program` of the running kernel instance (grid axes "s" and "b", warpgroup axis
+  "wg"; blocks as `program_blocks` deals them)."""
+  table = page_table(meta_ref, P)
+  sp = lax.axis_index("s")
+  b = lax.axis_index("b")
+  wg = lax.axis_index("wg")
+  return Program(table, b, sp, wg, *program_blocks(table.lens, b, sp, splits))
+
+
+def warpgroup_sync(barrier) -> None:
+  """Arrive at and wait on `barrier` (one arrival per compute warpgroup)."""
+  plgpu.barrier_arrive(barrier)
+  plgpu.barrier_wait(barrier)
+
+
 def copy_block(pt_ref, b, block, planes, barrier, *, page_size: int, P: int):
   """TMA copies of KV block `block` of sequence b, page by page through the page table.
 
@@ -364,12 +393,14 @@ class RingLoader(NamedTuple):
   refill: Callable[[jax.Array], None]
 
 
-def ring_loader(loader, gmem, smem, *, kv_bar, free_bar, stages: int, pt_ref, b, first,
-                n_steps, page_size: int, P: int) -> RingLoader:
+def ring_loader(loader, gmem, smem, prog: Program, *, kv_bar, free_bar, stages: int,
+                page_size: int, P: int) -> RingLoader:
   """The `RingLoader` of the warpgroup where `loader` (e.g. ``wg == 0``) is true: the
-  blocks of `block_loader`, stage i % stages released on ``free_bar.at[slot]``."""
-  load = block_loader(gmem, smem, kv_bar=kv_bar, stages=stages, pt_ref=pt_ref, b=b,
-                      first=first, page_size=page_size, P=P)
+  blocks of program `prog` (`block_loader`), stage i % stages released on
+  ``free_bar.at[slot]``."""
+  n_steps = prog.n_steps
+  load = block_loader(gmem, smem, kv_bar=kv_bar, stages=stages, pt_ref=prog.table.pages,
+                      b=prog.b, first=prog.first, page_size=page_size, P=P)
 
   def start():
     @pl.when(loader)

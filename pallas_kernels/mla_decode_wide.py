@@ -57,8 +57,8 @@ from pallas_kernels.mla_decode import (BLOCK_KV, LN2, DecodeConfig, Geometry,
                                        combine, num_sms, split_count)
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8,
                                              decode_kernel, kv_scratch, masked_positions,
-                                             page_flags, page_table, program_blocks, prologue,
-                                             ring_loader, zero_masked_rows)
+                                             page_flags, program, prologue, ring_loader,
+                                             warpgroup_sync, zero_masked_rows)
 
 BLOCK_M = 64        # query rows per tile (a wgmma's M)
 HALF_KV = BLOCK_KV // 2
@@ -107,20 +107,11 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
        q_smem, kv_smem, p_smem, row_smem, q_bar, kv_bar, free_bar, sync_bar) = refs
       planes, ring = (kv_ref,), (kv_smem,)
     mt = lax.axis_index("m")
-    pt_ref, ok_ref, len_ref, _ = page_table(meta_ref, P)
-    sp = lax.axis_index("s")
-    b = lax.axis_index("b")
-    wg = lax.axis_index("wg")
+    prog = program(meta_ref, P, splits)
+    (pt_ref, ok_ref, _, _), b, sp, wg, length, first, n_steps = prog
     other = 1 - wg
-    length, first, n_steps = program_blocks(len_ref, b, sp, splits)
-
-    def sync_compute():
-      plgpu.barrier_arrive(sync_bar)
-      plgpu.barrier_wait(sync_bar)
-
-    ring_io = ring_loader(wg == 0, planes, ring, kv_bar=kv_bar, free_bar=free_bar,
-                          stages=stages, pt_ref=pt_ref, b=b, first=first, n_steps=n_steps,
-                          page_size=page_size, P=P)
+    ring_io = ring_loader(wg == 0, planes, ring, prog, kv_bar=kv_bar, free_bar=free_bar,
+                          stages=stages, page_size=page_size, P=P)
 
     def _compute():
       ring_io.start()
@@ -162,7 +153,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
                         dtype, plgpu.Layout.WGMMA, src_lead=(slot,))
             plgpu.commit_smem()
           with jax.named_scope("sync_converted"):
-            sync_compute()         # both halves converted
+            warpgroup_sync(sync_bar)         # both halves converted
 
         def scores(s_ref):
           if quantized:
@@ -189,7 +180,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
         mine = s.max(axis=1)
         row_smem.at[wg][...] = mine
         with jax.named_scope("sync_max"):
-          sync_compute()
+          warpgroup_sync(sync_bar)
         m_new = jnp.maximum(m_i, jnp.maximum(mine, plgpu.load(row_smem.at[other],
                                                                layout=row_vec)))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -202,7 +193,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
         p_smem.at[own].transpose((1, 0))[...] = pv
         plgpu.commit_smem()
         with jax.named_scope("sync_p"):
-          sync_compute()
+          warpgroup_sync(sync_bar)
         with jax.named_scope("values"):
           values = key_tile if quantized else kv_smem.at[slot]
           # Both score products are done: this warpgroup alone reads its value columns.
@@ -220,9 +211,9 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
       # The row sums of the two token halves; the sync also means both warpgroups' score
       # products (readers of q_smem) are done before the output is staged there.
       row_smem.at[wg][...] = l_i
-      sync_compute()
+      warpgroup_sync(sync_bar)
       l_i = l_i + plgpu.load(row_smem.at[other], layout=row_vec)
-      sync_compute()               # both read: row_smem.at[0] stages the lse below
+      warpgroup_sync(sync_bar)               # both read: row_smem.at[0] stages the lse below
       has = l_i > 0
       inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
       out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
