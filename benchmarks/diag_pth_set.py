@@ -11,10 +11,11 @@ only: the variants' results are not the library's.
 
 (Session 2026-12-05f, H100: base / clip / bf16 set 1.53 / 1.55 / 1.18 us at T=1, 3.18 /
 3.40 / 2.48 at T=4096, 22.35 / 22.79 / 28.13 at T=32768; recip 2.79 at T=4096:
-`logs/2026-12-05f_diag_pth_set_noclip_h100.log`. Runs of 2026-12-04c: before 77f3204 `recip` replaced every ``div.rn.f32`` (1.71 -> 1.23 us
-at T=1); in the run after it, `recip` still replaced only `common.true_divide`, by then the
-rope quotients alone (1.32 -> 1.28 us). A third variant without amax or division never
-printed on the GPU and was removed.)
+`logs/2026-12-05f_diag_pth_set_noclip_h100.log`. Runs of 2026-12-04c: before 77f3204
+`recip` replaced every ``div.rn.f32`` (1.71 -> 1.23 us at T=1); in the run after it,
+`recip` still replaced only `common.true_divide`, by then the rope quotients alone (1.32 ->
+1.28 us). A third variant without amax or division never printed on the GPU and was
+removed.)
 
     PYTHONPATH=$PWD python3 benchmarks/diag_pth_set.py [--tokens 1,64,512,4096,32768]
 """

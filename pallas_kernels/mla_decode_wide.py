@@ -153,7 +153,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
                         dtype, plgpu.Layout.WGMMA, src_lead=(slot,))
             plgpu.commit_smem()
           with jax.named_scope("sync_converted"):
-            warpgroup_sync(sync_bar)         # both halves converted
+            warpgroup_sync(sync_bar)  # both halves converted
 
         def scores(s_ref):
           if quantized:
@@ -213,7 +213,7 @@ def _decode_kernel(interpret, *, B, s_q, H, R, Rr, P, QRp, tile_rows, m_tiles, s
       row_smem.at[wg][...] = l_i
       warpgroup_sync(sync_bar)
       l_i = l_i + plgpu.load(row_smem.at[other], layout=row_vec)
-      warpgroup_sync(sync_bar)               # both read: row_smem.at[0] stages the lse below
+      warpgroup_sync(sync_bar)  # both read: row_smem.at[0] stages the lse below
       has = l_i > 0
       inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
       out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
