@@ -135,17 +135,19 @@ def scale_divide(x: jax.Array, scale: jax.Array, interpret: bool, layout, row_la
   Instead of one ``div.rn.f32`` a value (a called subroutine on the GPU: 0.48 of a
   one-token write's 1.71 us on the H200, `benchmarks/diag_pth_set.py`), one correctly
   rounded reciprocal a row (``rcp.rn.f32``, `row_layout`) and per value a multiply and two
-  fmas (Markstein's correction)::
+  fmas (Markstein's correction, with the residual negated)::
 
-      r = rcp.rn(s); q0 = mul.rn(x, r); e = fma.rn(-q0, min(s, FLT_MAX), x)
-      q = e == 0 ? q0 : fma.rn(e, r, q0)
+      r = rcp.rn(s); q0 = mul.rn(x, r); e = fma.rn(q0, min(s, FLT_MAX), -x)
+      q = fma.rn(-e, r, q0)
 
   This equals the IEEE quotient for every pair of a bf16/f16 significand and a scale of
   that form (tests/test_reference_rounding.py runs the same sequence exhaustively: 8.4M
   pairs for f16, 130K for bf16; a power-of-two shift of either changes nothing above
   float32's subnormal range, and quotients below it become fp8 zeros either way). The
-  ``e == 0`` select keeps -0 / s = -0; ``min(s, FLT_MAX)`` gives x / inf = 0 (and inf / inf
-  = NaN); NaN propagates. Rows with s < 2^-69 (amax below ~2^-60) are first scaled by 2^64,
+  negated residual keeps -0 / s = -0 with no select (x = -0: e = -0 + 0 = +0, and
+  q = -0 + -0 = -0; the residual x - q0 s would give +0 and q = +0, which an ``e == 0``
+  select had to undo: two instructions a value); ``min(s, FLT_MAX)`` gives x / inf = 0
+  (and inf / inf = NaN); NaN propagates. Rows with s < 2^-69 (amax below ~2^-60) are first scaled by 2^64,
   x and s alike (exact): there the residual would be subnormal (the emulation found 40K
   wrong fp8-relevant quotients without it, none with it). Interpret mode: `exact.divide`,
   the IEEE quotient.
@@ -174,19 +176,12 @@ def scale_divide(x: jax.Array, scale: jax.Array, interpret: bool, layout, row_la
                      return_type=plgpu.ShapeDtypeStruct(x.shape, F32, layout=layout))
   def quotient(_, a, s, r):
     q0 = a._pointwise(instr("mul.rn.f32"), r)
-    neg_q0 = q0._pointwise(instr("neg.f32"))
-    e = neg_q0._pointwise(instr("fma.rn.f32"), s, a)
-    q1 = e._pointwise(instr("fma.rn.f32"), r, q0)
-    return e._pointwise(instr(_select_if_zero), q1, q0)
+    neg_a = a._pointwise(instr("neg.f32"))              # (negations: fma operand modifiers)
+    e = q0._pointwise(instr("fma.rn.f32"), s, neg_a)    # q0 s - x, the negated residual
+    neg_e = e._pointwise(instr("neg.f32"))
+    return neg_e._pointwise(instr("fma.rn.f32"), r, q0)
 
   return quotient(x, s_b, r_b)
-
-
-def _select_if_zero(e, q1, q0):
-  """(e == 0 ? q0 : q1) on float32 MLIR scalars."""
-  from jax._src.lib.mlir.dialects import arith
-  zero = arith.constant(e.type, 0.0)
-  return arith.select(arith.cmpf(arith.CmpFPredicate.OEQ, e, zero), q0, q1)
 
 
 def multiply(x: jax.Array, per_row: jax.Array, interpret: bool) -> jax.Array:

@@ -83,9 +83,10 @@ def test_index_to_int32_never_wraps():
 
 # --- `common.scale_divide`: the per_token_head kernels' nope quotients -------------------
 # The GPU sequence, emulated exactly in numpy: r = rcp.rn(s); q0 = mul.rn(x, r);
-# e = fma.rn(-q0, s, x); q = e == 0 ? q0 : fma.rn(e, r, q0). Float64 holds every product
-# here exactly (<= 48 bits) and x - q0 * s exactly (Sterbenz); the last fma's sum is rounded
-# to float32 from an exact two-sum (ties decided by the remainder).
+# e = fma.rn(q0, s, -x); q = fma.rn(-e, r, q0). Float64 holds every product here exactly
+# (<= 48 bits) and q0 * s - x exactly (Sterbenz), signed zeros included (IEEE sums in
+# float64 give the zeros' signs as in float32); the last fma's sum is rounded to float32
+# from an exact two-sum (ties decided by the remainder).
 
 F32, F64 = np.float32, np.float64
 INV_448 = F32(1.0) / F32(448.0)
@@ -108,10 +109,9 @@ def _scale_divide_emulated(x, s):
   x, s = (x * lift).astype(F32), (s * lift).astype(F32)
   r = (1.0 / s.astype(F64)).astype(F32)                     # rcp.rn (no double rounding
   q0 = (x.astype(F64) * r.astype(F64)).astype(F32)         # for these s: checked below)
-  e = (x.astype(F64) - q0.astype(F64) * np.minimum(s, np.finfo(F32).max).astype(F64)
+  e = (q0.astype(F64) * np.minimum(s, np.finfo(F32).max).astype(F64) - x.astype(F64)
        ).astype(F32)
-  q1 = _rn32_of_sum(q0.astype(F64), e.astype(F64) * r.astype(F64))
-  return np.where(e == 0, q0, q1)
+  return _rn32_of_sum(q0.astype(F64), -e.astype(F64) * r.astype(F64))
 
 
 def _scales(bits):
