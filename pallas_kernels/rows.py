@@ -539,7 +539,10 @@ def quantize_block(x, y, *, ln, lr, rope_dtype, interpret, sanitize_limits=None,
       after them (the block's padding: uninitialized shared memory) are set to 1 first:
       garbage there can be NaN, inf, zero or subnormal, and any of those sends
       ``div.rn.f32`` down its slow path (`common.true_divide`; H200, one token:
-      3.7 us with garbage or zero padding, 1.72 us with ones).
+      3.7 us with garbage or zero padding, 1.72 us with ones). For bf16 / f16 nope values
+      (`common.scale_divide`: multiplies and fmas, no slow path) only the rope values and
+      the padding rows' scales are set to 1 (a select on 64 columns and one a row instead
+      of one on all 512).
     sanitize_limits: None, or (x_limit, y_limit) for SPEC §9: NaN -> 0 and +-inf ->
       +-limit (the largest finite values of the input dtypes) before quantizing, and a
       rope quotient beyond rope_dtype's range clamped to its largest finite value.
@@ -553,15 +556,20 @@ def quantize_block(x, y, *, ln, lr, rope_dtype, interpret, sanitize_limits=None,
   Returns:
     (q (rows, R) float8_e4m3fn, rope_stored (rows, Rr) rope_dtype, scale (rows,) float32).
   """
-  if valid_rows is not None and valid_rows < x.shape[0]:
-    x = _fill_rows_from(x, valid_rows, ln, interpret)
+  padded = valid_rows is not None and valid_rows < x.shape[0]
+  short = x_dtype is not None and jnp.dtype(x_dtype) in common.SHORT_SIGNIFICAND_DTYPES
+  if padded:
+    if not short:   # (`scale_divide` has no slow path: its padding rows only need a scale)
+      x = _fill_rows_from(x, valid_rows, ln, interpret)
     y = _fill_rows_from(y, valid_rows, lr, interpret)
   if sanitize_limits is not None:
     x = common.sanitize_f32(x, sanitize_limits[0])
     y = common.sanitize_f32(y, sanitize_limits[1])
   amax = jnp.max(jnp.abs(x), axis=1)
   scale = jnp.maximum(amax, AMAX_FLOOR) * INV_FP8_MAX
-  if x_dtype is not None and jnp.dtype(x_dtype) in common.SHORT_SIGNIFICAND_DTYPES:
+  if padded and short:
+    scale = _fill_rows_from(scale, valid_rows, ln.reduce(1), interpret)
+  if short:
     quotient = common.scale_divide(x, scale, interpret, ln, ln.reduce(1))
   else:
     quotient = common.true_divide(x, scale, interpret, ln)
@@ -584,7 +592,7 @@ def _to_fp8(quotient, interpret: bool):
 
 
 def _fill_rows_from(x, n: int, layout, interpret: bool):
-  """x with rows n.. set to 1 (a select on registers)."""
+  """x (rows, ...) with rows n.. set to 1 (a select on registers)."""
   rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=None if interpret else layout)
   return jnp.where(rows < n, x, jnp.ones_like(x))
 
