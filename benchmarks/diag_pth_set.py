@@ -5,8 +5,6 @@ only: the variants' results are not the library's.
 * base     -- the shipped kernel;
 * recip    -- every quotient (nope and rope) as ``x * (1 / scale)``: the cost of exact
               division, whichever way the shipped kernel does it;
-* select   -- a select a nope value added (what `common.scale_divide`'s correction cost
-              before the negated residual made its `e == 0` select unneeded);
 * clip     -- the fp8 cast with the clip to +-448 that interpret mode needs (the shipped
               kernel leaves it to the saturating conversion since session 2026-12-05f);
 * bf16 set -- the plain set of the same tokens, for the ratio.
@@ -39,12 +37,6 @@ _scale_divide = common.scale_divide
 _to_fp8 = rows._to_fp8
 
 
-def _select_divide(x, scale, interpret, layout, row_layout):
-  # the shipped quotients plus a select per value: the cost of the `e == 0 ? q0 : q1`
-  # select that the sequence had before the negated residual (same results)
-  return jnp.where(x == 0, x, _scale_divide(x, scale, interpret, layout, row_layout))
-
-
 def _recip_divide(x, per_row, interpret, layout=None, row_layout=None):
   del interpret, layout, row_layout
   return x * jnp.broadcast_to((1.0 / per_row)[:, None], x.shape)
@@ -55,8 +47,6 @@ def variant(name):
   try:
     if name == "recip":
       common.true_divide = common.scale_divide = _recip_divide
-    if name == "select":
-      common.scale_divide = _select_divide
     if name == "clip":
       rows._to_fp8 = lambda q, interpret: common.cast_from_f32(q, jnp.float8_e4m3fn)
     yield
@@ -81,7 +71,7 @@ def main():
     us, *_ = bench.time_per_call(lambda st: (f(*st), *st[1:]),
                                  (mc.init_cache(cfg), loc, nope, rope), args.iters)
     print(f"T={T:5d} bf16 set  {us:7.2f} us", flush=True)
-    for name in ("base", "select", "clip", "recip"):
+    for name in ("base", "clip", "recip"):
       config = dataclasses.replace(rows.tuned_config("set_per_token_head", T),
                                    kernel_tag="_" + name)
       with variant(name):
