@@ -1,7 +1,13 @@
 """The decode kernels' time per storage mode, path and stage count, side by side (device time
 from a profiler trace, as bench.py), default B=64, s_q=1, H=16, context 4096.
 
-    python benchmarks/diag_decode.py [--shape B,s_q,H,ctx] [--only NAME_PREFIX] [--ablate convert]
+    python benchmarks/diag_decode.py [--shape B,s_q,H,ctx] [--only PREFIX[,PREFIX...]]
+        [--ablate convert] [--convert-layouts WGMMA_UPCAST_2X,WGMMA_UPCAST_4X]
+
+--convert-layouts: time the per_token_head narrow and converter paths once per register
+layout of their fp8 conversion (`mla_decode_narrow.CONVERT_LAYOUT`; the first is the
+baseline) and report each output's largest difference from the first layout's (the
+conversion is exact in every layout, so the outputs must be bit-equal).
 
 --ablate convert: a diagnosis build (wrong results) whose wide-path kernel leaves out the
 per_token_head fp8 -> bf16 conversion of each block (the scores and values then read
@@ -17,14 +23,26 @@ import numpy as np
 import jax_mla_cache as mc
 from jax_mla_cache import bench
 from pallas_kernels import mla_decode as kernel
-from pallas_kernels import mla_decode_wide
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import mla_decode_converter, mla_decode_narrow, mla_decode_wide
+
+
+def set_convert_layout(name: str) -> None:
+  """The conversion layout of the narrow and converter paths (a diagnosis override)."""
+  layout = getattr(plgpu.Layout, name)
+  mla_decode_narrow.CONVERT_LAYOUT = mla_decode_converter.CONVERT_LAYOUT = layout
+  kernel.common._cached_kernel_fn.cache_clear()   # (a kernel is jitted once per build)
 
 
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--shape", default="64,1,16,4096")
   parser.add_argument("--iters", type=int, default=10)
-  parser.add_argument("--only", default=None, help="run only the variant of this name")
+  parser.add_argument("--only", default=None,
+                      help="run only the variants whose names start with one of these (commas)")
+  parser.add_argument("--convert-layouts", default=None,
+                      help="comma-separated plgpu.Layout names for the fp8 conversion")
   parser.add_argument("--ablate", default=None, choices=["convert"],
                       help="also time a diagnosis build of the wide path without this piece")
   args = parser.parse_args()
@@ -38,11 +56,18 @@ def main():
               for mode in ("bf16", "pth") for path in kernel.PATHS for stages in (2, 3)]
   caches = {}
   if args.only:
-    variants = [v for v in variants if v[0].startswith(args.only)]
+    variants = [v for v in variants if v[0].startswith(tuple(args.only.split(",")))]
+  layouts = args.convert_layouts.split(",") if args.convert_layouts else [None]
+  variants = [(name + (f"-{lay}" if lay else ""), quant, config, lay)
+              for name, quant, config in variants for lay in layouts
+              if lay is None or lay == layouts[0] or (quant and config.path != "wide")]
+  firsts = {}
   if args.ablate:
-    variants += [(f"{name}-no-{args.ablate}", quant, config)
-                 for name, quant, config in variants if config.path == "wide" and quant]
-  for name, quant, config in variants:
+    variants += [(f"{name}-no-{args.ablate}", quant, config, lay)
+                 for name, quant, config, lay in variants if config.path == "wide" and quant]
+  for name, quant, config, lay in variants:
+    if lay is not None:
+      set_convert_layout(lay)
     if name.endswith("-no-convert"):
       mla_decode_wide.convert_fp8 = lambda *a, **k: None   # diagnosis build: wrong results
       kernel.common._cached_kernel_fn.cache_clear()        # (a kernel is jitted once per build)
@@ -63,13 +88,20 @@ def main():
     try:
       us, _, method = bench.time_per_call(lambda st: (*st[:4], f(*st[:4])),
                                           (layer, q, table, lens, None), args.iters, bd)
+      out = np.asarray(f(layer, q, table, lens)[0], np.float32)
     except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
       print(f"{name:20s} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
       continue
+    if lay is not None:
+      base_name = name[: -len(lay) - 1]
+      first = firsts.setdefault(base_name, out)
+      diff = f"  max |out - {layouts[0]}'s|: {np.nanmax(np.abs(out - first)):.3g}"
+    else:
+      diff = ""
     nbytes = B * ctx * cfg.row_bytes
     kern = {k: v for k, v in bd.items() if "mla_decode" in k}
     print(f"{name:20s} {us:9.2f} us  {nbytes / us / 1e3:7.1f} GB/s  kernels: "
-          + ", ".join(f"{k[:40]} {v:.1f}" for k, v in kern.items()), flush=True)
+          + ", ".join(f"{k[:40]} {v:.1f}" for k, v in kern.items()) + diff, flush=True)
 
 
 if __name__ == "__main__":
