@@ -2,8 +2,9 @@
 converts a (64, 512) block in shared memory `--repeats` times (to bf16 through float32,
 to f16 directly), in the register layouts the kernels use (WGMMA_UPCAST_2X, WGMMA) and
 WGMMA_UPCAST_4X (slower: logs/2026-12-05g_convert_layout_4x_not_kept_h100.log); device time
-per block (profiler, as bench.py). Its first run (logs/2026-12-04b_diag_convert_bit_moves.log) also timed integer
-bit moves (prmt/shift/mask + an exact bf16x2 multiply), slower, since removed.
+per block (profiler, as bench.py). Its first run (logs/2026-12-04b_diag_convert_bit_moves.log)
+also timed integer bit moves (prmt/shift/mask + an exact bf16x2 multiply), slower, since
+removed.
 
     PYTHONPATH=$PWD python3 benchmarks/diag_convert.py [--repeats 400]
 """
