@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
 import jax_mla_cache as mc
 from jax_mla_cache import bench
 from pallas_kernels import mla_decode as kernel
-from jax.experimental.pallas import mosaic_gpu as plgpu
-
 from pallas_kernels import mla_decode_converter, mla_decode_narrow, mla_decode_wide
 
 
@@ -93,8 +93,7 @@ def main():
       print(f"{name:20s} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
       continue
     if lay is not None:
-      base_name = name[: -len(lay) - 1]
-      first = firsts.setdefault(base_name, out)
+      first = firsts.setdefault(name.replace(f"-{lay}", "", 1), out)
       diff = f"  max |out - {layouts[0]}'s|: {np.nanmax(np.abs(out - first)):.3g}"
     else:
       diff = ""
