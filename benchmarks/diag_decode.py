@@ -19,7 +19,6 @@ import argparse
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import jax_mla_cache as mc
