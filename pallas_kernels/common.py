@@ -147,10 +147,10 @@ def scale_divide(x: jax.Array, scale: jax.Array, interpret: bool, layout, row_la
   negated residual keeps -0 / s = -0 with no select (x = -0: e = -0 + 0 = +0, and
   q = -0 + -0 = -0; the residual x - q0 s would give +0 and q = +0, which an ``e == 0``
   select had to undo: two instructions a value); ``min(s, FLT_MAX)`` gives x / inf = 0
-  (and inf / inf = NaN); NaN propagates. Rows with s < 2^-69 (amax below ~2^-60) are first scaled by 2^64,
-  x and s alike (exact): there the residual would be subnormal (the emulation found 40K
-  wrong fp8-relevant quotients without it, none with it). Interpret mode: `exact.divide`,
-  the IEEE quotient.
+  (and inf / inf = NaN); NaN propagates. Rows with s < 2^-69 (amax below ~2^-60) are first
+  scaled by 2^64, x and s alike (exact): there the residual would be subnormal (the
+  emulation found 40K wrong fp8-relevant quotients without it, none with it). Interpret
+  mode: `exact.divide`, the IEEE quotient.
   """
   if interpret:
     return exact.divide(x, scale[:, None])

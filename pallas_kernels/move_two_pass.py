@@ -19,8 +19,8 @@ Mosaic's lowering time still grows faster than linearly with the buffers of a ke
 the passes run on batches of at most ``MoveTiling.two_pass_max_buffers`` buffers; the
 batches are near-equal, so they share one traced and lowered kernel per pass (61 plain
 layers: 2 batches, 1.8 s of CUDA lowering on a CPU host; 61 per_token_head layers: 6
-batches; 76 s for one kernel per pass unrolled per buffer before). Buffers are independent, so batching keeps the
-snapshot semantics.
+batches; 76 s for one kernel per pass unrolled per buffer before). Buffers are independent,
+so batching keeps the snapshot semantics.
 """
 
 from __future__ import annotations
