@@ -1,6 +1,7 @@
 """Every Pallas kernel with hostile slots (negative, >= rows, duplicates), for
 `compute-sanitizer --tool memcheck`: it must report 0 errors (`--decode-only`: mla_decode
-only; `--wide-only`: its wide path alone; `--rope-only`: rope_set only). Also checks
+only; `--wide-only`: its wide path alone; `--rope-only`: rope_set only; `--set-only`: the
+set at small T, where per_token_head takes the one-token kernel). Also checks
 results against the numpy model of the seed (rows written once) so a silent out-of-bounds
 write shows up as a mismatch."""
 
@@ -23,6 +24,7 @@ def main() -> int:
   decode_only = "--decode-only" in sys.argv[1:]
   wide_only = "--wide-only" in sys.argv[1:]     # mla_decode at 128 query rows alone
   rope_only = "--rope-only" in sys.argv[1:]
+  set_only = "--set-only" in sys.argv[1:]
   for cfg in (mc.DEEPSEEK_V3.replace(size=8192 - 64, layer_num=3),
               mc.DEEPSEEK_V3_FP8.replace(size=8192 - 64, layer_num=3)):
     if wide_only:
@@ -31,6 +33,9 @@ def main() -> int:
     if decode_only:
       failures += sum(hostile_decode(cfg, rng, s_q) for s_q in (1, 2))
       failures += hostile_decode(cfg, rng, 2, H=64)
+      continue
+    failures += sum(hostile_set(cfg, rng, T) for T in (1, 3, 200))
+    if set_only:
       continue
     failures += sum(hostile_rope_set(cfg, rng, T) for T in (1, 3, 300))
     if rope_only:
@@ -87,6 +92,22 @@ def main() -> int:
     failures += bool(bad)
     failures += sum(hostile_decode(cfg, rng, s_q) for s_q in (1, 2))
   return failures
+
+
+def hostile_set(cfg, rng, T: int) -> int:
+  """set_mla_kv_buffer of T distinct tokens, a third of them with slots outside the layer
+  (both signs, huge): the kernel writes nothing else and its cache bytes equal XLA's."""
+  loc = rng.choice(cfg.rows, T, replace=False).astype(np.int32)
+  loc[::3] = rng.choice([-1, -7, cfg.rows, cfg.rows + 10**6, 2**31 - 1], (T + 2) // 3)
+  nope = jnp.asarray(rng.standard_normal((T, 1, 512)), jnp.bfloat16)
+  rope = jnp.asarray(rng.standard_normal((T, 1, 64)), jnp.bfloat16)
+  caches = [jax.device_get(mc.set_mla_kv_buffer(mc.init_cache(cfg), 1, jnp.asarray(loc), nope,
+                                                rope, implementation=impl))
+            for impl in ("pallas", "xla")]
+  same = all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+             for a, b in zip(*map(jax.tree.leaves, caches)))
+  print(f"{cfg.quant_method}: hostile set T={T} {'ok' if same else 'MISMATCH'}", flush=True)
+  return not same
 
 
 def hostile_rope_set(cfg, rng, T: int) -> int:

@@ -167,10 +167,31 @@ def scale_divide(x: jax.Array, scale: jax.Array, interpret: bool, layout, row_la
   lift_rows = jnp.where(scale < TINY_SCALE, np.float32(2.0 ** 64), np.float32(1.0))
   scale = scale * lift_rows
   x = x * jnp.broadcast_to(lift_rows[:, None], x.shape)
-  r = reciprocal(scale)
+  one_row = x.shape[0] == 1
+  if not one_row:
+    r = reciprocal(scale)
   s_b = jnp.broadcast_to(jnp.minimum(scale, np.float32(np.finfo(np.float32).max))[:, None],
                          x.shape)
-  r_b = jnp.broadcast_to(r[:, None], x.shape)
+  if one_row:
+    # One row (a layout whose warps all hold it: Mosaic's inline_mgpu refuses its fully
+    # replicated (1,) layout): each thread takes the reciprocal of its first copy of the
+    # scale and broadcasts it over its registers.
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import vector
+
+    @plgpu.inline_mgpu(arg_types=(layout,),
+                       return_type=plgpu.ShapeDtypeStruct(x.shape, F32, layout=layout))
+    def reciprocal_row(_, s):
+      first = s.registers.flat[0]
+      if isinstance(first.type, ir.VectorType):
+        first = vector.extract(first, dynamic_position=[],
+                               static_position=ir.DenseI64ArrayAttr.get([0]))
+      return mgpu.FragmentedArray.splat(instr("rcp.rn.f32")(first), s.shape, s.layout,
+                                        is_signed=s.is_signed)
+
+    r_b = reciprocal_row(jnp.broadcast_to(scale[:, None], x.shape))
+  else:
+    r_b = jnp.broadcast_to(r[:, None], x.shape)
 
   @plgpu.inline_mgpu(arg_types=(layout, layout, layout),
                      return_type=plgpu.ShapeDtypeStruct(x.shape, F32, layout=layout))
@@ -378,6 +399,21 @@ def row_layout(ncols: int, *dtypes):
   return plgpu.Layout.TILED(
       plgpu.Tiling(((4, 32 * v), (v,))), warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1
   )
+
+
+def whole_row_layout(ncols: int, *dtypes):
+  """A register layout for a (1, ncols) row that every warp of the warpgroup holds whole.
+
+  Lane l holds v consecutive elements of each (32*v)-column tile (as `row_layout`), and
+  the warp dimension is replicated: the row maximum stays inside a warp, a block needs no
+  padding rows, and every warp stores the same bytes. For one token a program loaded from
+  and stored to global memory directly (`rows._set_pth_direct`). ncols: a multiple of 32.
+  """
+  v = row_layout_vec(ncols, *dtypes)
+  if v is None:
+    raise Unsupported(f"row width {ncols} is not a multiple of 32")
+  return plgpu.Layout.TILED(plgpu.Tiling(((1, 32 * v), (v,))),
+                            warp_dims=(plgpu.Replicated(4),), lane_dims=(-2,), vector_dim=-1)
 
 
 def strided_layout(shape: tuple[int, ...], *dtypes):

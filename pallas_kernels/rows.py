@@ -59,6 +59,13 @@ limit and no tensor map), because a token row is contiguous in every buffer:
   (`_get_rows_direct`, B = 1 to 4 tokens per program): no barrier, no shared memory, no
   fence. A one-program bulk load + store kernel takes 1.10 us on the H200, this gather
   1.01 us at T = 1, and it is faster up to T = 4096 as well (benchmarks/diag_direct.py).
+* per_token_head set at T <= 256 (`RowConfig.direct_block_tokens` = 1): no shared memory
+  or bulk copies either (`_set_pth_direct`). One token a program; every warp loads the whole
+  input row from global memory into registers (`common.whole_row_layout`), quantizes it as
+  above, and stores the fp8 row, the rope row and the scale straight to the cache (the four
+  warps store the same bytes). On an H100 1.36 vs 1.49 us at T = 1 (bf16 set 1.19), 1.47 vs
+  1.62 at 128; slower from T = 512 (1.88 vs 1.78), where the block kernel's copies overlap
+  (`benchmarks/diag_pth_direct.py`, logs/2026-12-05h_diag_pth_direct_h100.log).
 
 Block size (`RowConfig`, `copy_block_tokens`, `reg_block_tokens`): B = ceil(T /
 target_programs) clamped to [1, max_block_tokens] (32; 12 for kernels that go through
@@ -132,6 +139,7 @@ class RowConfig:
       through registers (no shared memory, barrier or bulk copy), this many tokens per
       program; 0 = bulk copies (`get_split`). Taken only where the row parts split evenly
       over a warpgroup's 128 threads as bytes (bf16 and f32 rows of DeepSeek's 512 + 64).
+      The per_token_head set takes 1 (one token a program, `_set_pth_direct`) or 0.
     kernel_tag: appended to the kernel names (e.g. to tell variants apart in a profile).
   """
 
@@ -173,7 +181,11 @@ TUNED_CONFIGS = {
     # first, the first quantized and stored while the second lands): 18.3 / 18.5 us at
     # T = 32768 vs 20.7 for B = 4 in one stage; at 4096 one stage of 4 stays faster (3.42 vs
     # 3.69). Two runs on one H200, 2026-12-05e (logs/2026-12-05e_sweep_rows_pth*.log).
-    "set_per_token_head": ((64, DEFAULT_CONFIG), (512, LEGACY_CONFIG),
+    # Up to T = 256 one token a program with plain loads and stores (direct_block_tokens=1):
+    # 1.13-1.21x the bf16 set there against 1.26-1.30x for the block kernel, equal at 384,
+    # slower from 512 (H100, 2026-12-05h, logs/2026-12-05h_diag_pth_direct_h100.log).
+    "set_per_token_head": ((256, dataclasses.replace(DEFAULT_CONFIG, direct_block_tokens=1)),
+                           (512, LEGACY_CONFIG),
                            (4096, dataclasses.replace(DEFAULT_CONFIG, max_reg_block_tokens=4)),
                            (None, dataclasses.replace(DEFAULT_CONFIG, max_reg_block_tokens=8,
                                                       chunks=2))),
@@ -512,19 +524,28 @@ def set_rows_per_token_head(
     raise common.Unsupported(
         f"per_token_head kernel needs R and Rr multiples of 32, got R={R}, Rr={Rr}"
     )
+  if config.direct_block_tokens not in (0, 1):
+    raise ValueError("the per_token_head set takes direct_block_tokens 0 or 1, got "
+                     f"{config.direct_block_tokens}")
+  operands = (nope_buf.reshape(rows, R), scale_buf.reshape(rows), rope_buf.reshape(rows, Rr),
+              exact.index_to_int32(loc), common.as_rows(nope), common.as_rows(rope))
+  in_dtypes = (jnp.dtype(nope.dtype), jnp.dtype(rope.dtype))
+  if config.direct_block_tokens:
+    build = functools.partial(
+        _set_pth_direct, T=T, rows=rows, R=R, Rr=Rr, rope_dtype=jnp.dtype(rope_buf.dtype),
+        in_dtypes=in_dtypes, pdl=pdl, tag=config.kernel_tag, sanitize=sanitize)
+    q, s, r = common.dispatch(build, *operands)
+    return q.reshape(rows, 1, R), s.reshape(rows, 1, 1), r.reshape(rows, 1, Rr)
   for name, width, dt in (("nope_buf", R, FP8_E4M3), ("rope_buf", Rr, rope_buf.dtype),
                           ("nope", R, nope.dtype), ("rope", Rr, rope.dtype)):
     _check_bulk(name, width, dt)
   B = reg_block_tokens(T, config)
   build = functools.partial(
       _set_pth, T=T, rows=rows, R=R, Rr=Rr, rope_dtype=jnp.dtype(rope_buf.dtype),
-      in_dtypes=(jnp.dtype(nope.dtype), jnp.dtype(rope.dtype)), B=B, pdl=pdl,
-      stages=stage_count(B, config.chunks), tag=config.kernel_tag, sanitize=sanitize,
+      in_dtypes=in_dtypes, B=B, pdl=pdl, stages=stage_count(B, config.chunks),
+      tag=config.kernel_tag, sanitize=sanitize,
   )
-  q, s, r = common.dispatch(
-      build, nope_buf.reshape(rows, R), scale_buf.reshape(rows), rope_buf.reshape(rows, Rr),
-      exact.index_to_int32(loc), common.as_rows(nope), common.as_rows(rope),
-  )
+  q, s, r = common.dispatch(build, *operands)
   return q.reshape(rows, 1, R), s.reshape(rows, 1, 1), r.reshape(rows, 1, Rr)
 
 
@@ -633,6 +654,47 @@ def _set_pth(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, B, pdl, stages
       body, out_type=(), grid=pl.cdiv(T, B), name="mla_set_rows_per_token_head" + tag,
       interpret=interpret, scratch=stage_blocks * stages + [_barriers(2, stages)],
   )
+
+  def run(q2, s1, r2, loc, n2, rr2):
+    refs = [jax.new_ref(a) for a in (q2, s1, r2)]
+    kernel(loc, n2, rr2, *refs)
+    return tuple(jax.freeze(ref) for ref in refs)
+
+  return run
+
+
+def _set_pth_direct(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, pdl, tag="",
+                    sanitize=False):
+  """The per_token_head set without shared memory: program t loads token t's rows from
+  global memory into registers (`common.whole_row_layout`: each warp holds the whole row),
+  quantizes them (`quantize_block` on one row) and, for an in-range slot, stores the fp8
+  row, the rope row and the scale straight to the cache (the four warps store the same
+  bytes)."""
+  limits = tuple(map(common.finite_max, in_dtypes)) if sanitize else None
+  ln = common.whole_row_layout(R, in_dtypes[0], FP8_E4M3)
+  lr = common.whole_row_layout(Rr, in_dtypes[1], rope_dtype)
+
+  def body(loc_ref, n_ref, r_ref, qb_ref, sb_ref, rb_ref):
+    _pdl_prologue(pdl, interpret)
+    t = jax.lax.axis_index("b")
+    r = loc_ref[t]
+    # (optimized=False: Mosaic's optimized transfers are for shared memory only)
+    x = plgpu.load(n_ref.at[pl.ds(t, 1)], layout=ln, optimized=False).astype(F32)
+    y = plgpu.load(r_ref.at[pl.ds(t, 1)], layout=lr, optimized=False).astype(F32)
+    q, rope, scale = quantize_block(x, y, ln=ln, lr=lr, rope_dtype=rope_dtype,
+                                    interpret=interpret, sanitize_limits=limits,
+                                    x_dtype=in_dtypes[0])
+
+    @pl.when(common.valid_row(r, rows))
+    def _():
+      qb_ref.at[pl.ds(r, 1)][...] = q
+      rb_ref.at[pl.ds(r, 1)][...] = rope
+      sb_ref.at[pl.ds(r, 1)][...] = scale
+
+  kernel = plgpu.kernel(
+      body, out_type=(), grid=(T,), grid_names=("b",),
+      kernel_name="mla_set_rows_per_token_head_direct" + tag,
+      interpret=common.interpret_params() if interpret else None)
 
   def run(q2, s1, r2, loc, n2, rr2):
     refs = [jax.new_ref(a) for a in (q2, s1, r2)]

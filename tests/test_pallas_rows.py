@@ -328,13 +328,17 @@ def pth_inputs(rng, T, R, Rr, in_dtype):
     (256, 64, 5, jnp.float16, jnp.float16),
     (512, 64, 5, jnp.float32, jnp.bfloat16),
 ])
-def test_per_token_head_set_get(rng, R, Rr, T, model, in_dtype):
+@pytest.mark.parametrize("direct", [1, 0], ids=["direct", "block"])
+def test_per_token_head_set_get(rng, R, Rr, T, model, in_dtype, direct):
+  """Both set kernels (one token a program with plain loads and stores; the bulk-copy
+  block kernel) against the numpy model: hostile slots, tiny, huge and subnormal rows."""
   nope, rope = pth_inputs(rng, T, R, Rr, in_dtype)
   qb = values(rng, (ROWS, 1, R), E4M3, specials=False)
   sb = np.abs(values(rng, (ROWS, 1, 1), F32, specials=False))
   rb = values(rng, (ROWS, 1, Rr), model, specials=False)
   loc = hostile_loc(rng, T, ROWS)
-  q, s, r = jax.jit(pk.set_rows_per_token_head)(
+  cfg = pk.RowConfig(direct_block_tokens=direct)
+  q, s, r = jax.jit(functools.partial(pk.set_rows_per_token_head, config=cfg))(
       jnp.asarray(qb), jnp.asarray(sb), jnp.asarray(rb), jnp.asarray(loc),
       jnp.asarray(nope), jnp.asarray(rope))
   wq, ws, wr = np_quantize(nope, rope, model)
@@ -428,6 +432,11 @@ def test_bad_input():
     pk.set_rows_per_token_head(
         kv, jnp.zeros((16, 1, 1)), jnp.zeros((16, 1, 64), jnp.bfloat16),
         jnp.zeros(3, jnp.int32), jnp.zeros((3, 1, 320)), jnp.zeros((3, 1, 64)))
+  with pytest.raises(ValueError, match="direct_block_tokens"):
+    pk.set_rows_per_token_head(
+        jnp.zeros((16, 1, 256), jnp.float8_e4m3fn), jnp.zeros((16, 1, 1)),
+        jnp.zeros((16, 1, 64), jnp.bfloat16), jnp.zeros(3, jnp.int32),
+        jnp.zeros((3, 1, 256)), jnp.zeros((3, 1, 64)), config=pk.RowConfig(direct_block_tokens=2))
 
 
 # ----------------------------------------------------------------------------------------
@@ -519,12 +528,16 @@ def test_lower_cuda_get_rows(T, storage, dst, cfg):
 def test_lower_cuda_per_token_head(T, R, Rr, model, in_dtype):
   bufs = (S((BIG_ROWS, 1, R), E4M3), S((BIG_ROWS, 1, 1), jnp.float32),
           S((BIG_ROWS, 1, Rr), model))
-  configs = [None] + ([pk.RowConfig(max_reg_block_tokens=8, chunks=2)] if T > 1 else [])
-  for cfg in configs:   # the tuned choice, and two stages of four tokens
+  # The tuned choice (one token a program with plain loads and stores up to T = 256), the
+  # block kernel, and two stages of four tokens.
+  configs = [None, pk.RowConfig()] + (
+      [pk.RowConfig(max_reg_block_tokens=8, chunks=2)] if T > 1 else [])
+  for cfg in configs:
     text = lower_cuda(functools.partial(pk.set_rows_per_token_head, pdl=T == 1, config=cfg),
                       *bufs, S((T,), jnp.int32), S((T, 1, R), in_dtype),
                       S((T, 1, Rr), in_dtype), donate=(0, 1, 2))
     assert_aliased(text, 3)
+    assert ("mla_set_rows_per_token_head_direct" in text) == (cfg is None and T <= 256)
   text = lower_cuda(functools.partial(pk.get_rows_per_token_head, dst_dtype=model), *bufs,
                     S((T,), jnp.int32))
   assert kernel_operand_counts(text) == [4]  # the three buffers and the slots
@@ -673,11 +686,14 @@ def test_gpu_per_token_head(T, model, chunks):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float16])
-def test_gpu_per_token_head_rows_at_every_magnitude(in_dtype):
+@pytest.mark.parametrize("direct", [0, 1], ids=["block", "direct"])
+def test_gpu_per_token_head_rows_at_every_magnitude(in_dtype, direct):
   """bf16/f16 nope quotients come from a reciprocal and a correction
   (`common.scale_divide`), not a division: the fp8 bytes must still be those of IEEE
   division for rows of every magnitude, tiny rows (amax down to bf16 subnormals, below the
-  1e-26 floor, where the kernel lifts the row by 2^64) and signed zeros included."""
+  1e-26 floor, where the kernel lifts the row by 2^64) and signed zeros included. Both
+  kernels: the block kernel (one reciprocal a row of a 4-row block) and the one-token
+  kernel (each thread's reciprocal of its copy of the scale)."""
   rng = np.random.default_rng(11)
   T, R, Rr, rows = 4096, 512, 64, 8192
   lowest = -140 if in_dtype == jnp.bfloat16 else -26
@@ -691,7 +707,9 @@ def test_gpu_per_token_head_rows_at_every_magnitude(in_dtype):
   bufs = (np.zeros((rows, 1, R), E4M3), np.zeros((rows, 1, 1), F32),
           np.zeros((rows, 1, Rr), in_dtype))
   loc = np.arange(T, dtype=np.int32)
-  q, s, r = (np.asarray(a)[:T] for a in jax.jit(pk.set_rows_per_token_head)(
+  cfg = pk.RowConfig(direct_block_tokens=direct)
+  q, s, r = (np.asarray(a)[:T] for a in jax.jit(
+      functools.partial(pk.set_rows_per_token_head, config=cfg))(
       *map(jnp.asarray, bufs), jnp.asarray(loc), jnp.asarray(nope), jnp.asarray(rope)))
   with np.errstate(all="ignore"):
     wq, ws, wr = np_quantize(nope, rope, in_dtype)
