@@ -63,9 +63,10 @@ limit and no tensor map), because a token row is contiguous in every buffer:
   or bulk copies either (`_set_pth_direct`). One token a program; every warp loads the whole
   input row from global memory into registers (`common.whole_row_layout`), quantizes it as
   above, and stores the fp8 row, the rope row and the scale straight to the cache (the four
-  warps store the same bytes). On an H100 1.36 vs 1.49 us at T = 1 (bf16 set 1.19), 1.47 vs
-  1.62 at 128; slower from T = 512 (1.88 vs 1.78), where the block kernel's copies overlap
-  (`benchmarks/diag_pth_direct.py`, logs/2026-12-05h_diag_pth_direct_h100.log).
+  warps store the same bytes). On an H100 1.36-1.37 vs 1.49-1.50 us at T = 1 (bf16 set
+  1.21), 1.44-1.45 vs 1.62 at 128, equal at 384, slower from 512 (1.89 vs 1.77), where the
+  block kernel's copies overlap (`benchmarks/diag_pth_direct.py`,
+  logs/2026-12-05h_diag_pth_direct_h100.log).
 
 Block size (`RowConfig`, `copy_block_tokens`, `reg_block_tokens`): B = ceil(T /
 target_programs) clamped to [1, max_block_tokens] (32; 12 for kernels that go through
@@ -182,7 +183,7 @@ TUNED_CONFIGS = {
     # T = 32768 vs 20.7 for B = 4 in one stage; at 4096 one stage of 4 stays faster (3.42 vs
     # 3.69). Two runs on one H200, 2026-12-05e (logs/2026-12-05e_sweep_rows_pth*.log).
     # Up to T = 256 one token a program with plain loads and stores (direct_block_tokens=1):
-    # 1.13-1.21x the bf16 set there against 1.26-1.30x for the block kernel, equal at 384,
+    # 1.12-1.23x the bf16 set there against 1.24-1.36x for the block kernel, equal at 384,
     # slower from 512 (H100, 2026-12-05h, logs/2026-12-05h_diag_pth_direct_h100.log).
     "set_per_token_head": ((256, dataclasses.replace(DEFAULT_CONFIG, direct_block_tokens=1)),
                            (512, LEGACY_CONFIG),
