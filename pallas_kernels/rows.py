@@ -555,7 +555,8 @@ def quantize_block(x, y, *, ln, lr, rope_dtype, interpret, sanitize_limits=None,
   """SPEC §3 on register blocks, shared by every per_token_head write kernel.
 
   Args:
-    x: (rows, R) float32 nope values in the row layout `ln` (`common.row_layout`).
+    x: (rows, R) float32 nope values in the row layout `ln` (`common.row_layout`; for one
+      row also `common.whole_row_layout`).
     y: (rows, Rr) float32 rope values in the row layout `lr`.
     valid_rows: None, or the static number of leading rows that hold tokens. The rows
       after them (the block's padding: uninitialized shared memory) are set to 1 first:
