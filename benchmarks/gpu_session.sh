@@ -118,6 +118,8 @@ if want diag_pth; then   # the per_token_head set: its GPU tests (stored bits), 
   timeout -s INT -k 20 ${DIAG_PTH_TEST_TIMEOUT:-200} "${PYTEST[@]}" tests/test_pallas_rows.py \
     -k "gpu_per_token_head" > "$OUT/gpu_pth_tests.log" 2>&1; tail -4 "$OUT/gpu_pth_tests.log"
   timeout 150 python3 benchmarks/diag_pth_set.py 2>&1 | tee "$OUT/diag_pth_set.log"
+  timeout 150 python3 benchmarks/diag_pth_direct.py 2>&1 | grep -v Warning \
+    | tee "$OUT/diag_pth_direct.log"   # the one-token kernel vs the block kernel, T = 1 ... 4096
 fi
 if want diag; then
   timeout 100 python3 benchmarks/diag_gpu.py 2>&1 | tee "$OUT/diag.log"
