@@ -59,8 +59,8 @@ limit and no tensor map), because a token row is contiguous in every buffer:
   (`_get_rows_direct`, B = 1 to 4 tokens per program): no barrier, no shared memory, no
   fence. A one-program bulk load + store kernel takes 1.10 us on the H200, this gather
   1.01 us at T = 1, and it is faster up to T = 4096 as well (benchmarks/diag_direct.py).
-* per_token_head set at T <= 256 (`RowConfig.direct_block_tokens` = 1): no shared memory
-  or bulk copies either (`_set_pth_direct`). One token a program; every warp loads the whole
+* per_token_head set at T <= 256 (`RowConfig.direct_block_tokens` = 1; jax 0.11, see
+  `ONE_TOKEN_SET`): no shared memory or bulk copies either (`_set_pth_direct`). One token a program; every warp loads the whole
   input row from global memory into registers (`common.whole_row_layout`), quantizes it as
   above, and stores the fp8 row, the rope row and the scale straight to the cache (the four
   warps store the same bytes). On an H100 1.36-1.37 vs 1.49-1.50 us at T = 1 (bf16 set
@@ -104,6 +104,12 @@ from pallas_kernels import common, exact
 from pallas_kernels.common import F32
 
 FP8_E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+# The one-token per_token_head set (`_set_pth_direct`) stores each token's scale, one float
+# that every thread holds, straight to global memory. jax 0.12's transfer planner refuses
+# that store ("does not access a whole number of complete 32 byte sectors"); there the
+# block kernel runs instead (`RowConfig.direct_block_tokens` is ignored) until a store
+# path that 0.12 accepts has been run on a GPU.
+ONE_TOKEN_SET = jax.__version_info__ < (0, 12)
 AMAX_FLOOR = np.float32(1e-26)
 INV_FP8_MAX = np.float32(1.0) / np.float32(448.0)  # == float32(1/448), as PyTorch
 
@@ -140,7 +146,8 @@ class RowConfig:
       through registers (no shared memory, barrier or bulk copy), this many tokens per
       program; 0 = bulk copies (`get_split`). Taken only where the row parts split evenly
       over a warpgroup's 128 threads as bytes (bf16 and f32 rows of DeepSeek's 512 + 64).
-      The per_token_head set takes 1 (one token a program, `_set_pth_direct`) or 0.
+      The per_token_head set takes 1 (one token a program, `_set_pth_direct`; jax < 0.12,
+      see `ONE_TOKEN_SET`) or 0.
     kernel_tag: appended to the kernel names (e.g. to tell variants apart in a profile).
   """
 
@@ -531,7 +538,7 @@ def set_rows_per_token_head(
   operands = (nope_buf.reshape(rows, R), scale_buf.reshape(rows), rope_buf.reshape(rows, Rr),
               exact.index_to_int32(loc), common.as_rows(nope), common.as_rows(rope))
   in_dtypes = (jnp.dtype(nope.dtype), jnp.dtype(rope.dtype))
-  if config.direct_block_tokens:
+  if config.direct_block_tokens and ONE_TOKEN_SET:
     build = functools.partial(
         _set_pth_direct, T=T, rows=rows, R=R, Rr=Rr, rope_dtype=jnp.dtype(rope_buf.dtype),
         in_dtypes=in_dtypes, pdl=pdl, tag=config.kernel_tag, sanitize=sanitize)
