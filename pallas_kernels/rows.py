@@ -60,10 +60,10 @@ limit and no tensor map), because a token row is contiguous in every buffer:
   fence. A one-program bulk load + store kernel takes 1.10 us on the H200, this gather
   1.01 us at T = 1, and it is faster up to T = 4096 as well (benchmarks/diag_direct.py).
 * per_token_head set at T <= 256 (`RowConfig.direct_block_tokens` = 1; jax 0.11, see
-  `ONE_TOKEN_SET`): no shared memory or bulk copies either (`_set_pth_direct`). One token a program; every warp loads the whole
-  input row from global memory into registers (`common.whole_row_layout`), quantizes it as
-  above, and stores the fp8 row, the rope row and the scale straight to the cache (the four
-  warps store the same bytes). On an H100 1.36-1.37 vs 1.49-1.50 us at T = 1 (bf16 set
+  `ONE_TOKEN_SET`): no shared memory or bulk copies either (`_set_pth_direct`). One token
+  a program; every warp loads the whole input row from global memory into registers
+  (`common.whole_row_layout`), quantizes it as above, and stores the fp8 row, the rope row
+  and the scale straight to the cache (the four warps store the same bytes). On an H100 1.36-1.37 vs 1.49-1.50 us at T = 1 (bf16 set
   1.21), 1.44-1.45 vs 1.62 at 128, equal at 384, slower from 512 (1.89 vs 1.77), where the
   block kernel's copies overlap (`benchmarks/diag_pth_direct.py`,
   logs/2026-12-05h_diag_pth_direct_h100.log).
@@ -627,6 +627,17 @@ def _fill_rows_from(x, n: int, layout, interpret: bool):
   return jnp.where(rows < n, x, jnp.ones_like(x))
 
 
+def _pth_in_place(kernel):
+  """run(q2, s1, r2, loc, n2, rr2) for a per_token_head write kernel: the three cache
+  buffers become refs (the kernel writes them in place), loc and the inputs stay arrays."""
+  def run(q2, s1, r2, loc, n2, rr2):
+    refs = [jax.new_ref(a) for a in (q2, s1, r2)]
+    kernel(loc, n2, rr2, *refs)
+    return tuple(jax.freeze(ref) for ref in refs)
+
+  return run
+
+
 def _set_pth(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, B, pdl, stages=1, tag="",
              sanitize=False):
   """The per_token_head set kernel: B tokens a program in `stages` stages of n = B / stages
@@ -664,12 +675,7 @@ def _set_pth(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, B, pdl, stages
       interpret=interpret, scratch=stage_blocks * stages + [_barriers(2, stages)],
   )
 
-  def run(q2, s1, r2, loc, n2, rr2):
-    refs = [jax.new_ref(a) for a in (q2, s1, r2)]
-    kernel(loc, n2, rr2, *refs)
-    return tuple(jax.freeze(ref) for ref in refs)
-
-  return run
+  return _pth_in_place(kernel)
 
 
 def _set_pth_direct(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, pdl, tag="",
@@ -705,12 +711,7 @@ def _set_pth_direct(interpret, *, T, rows, R, Rr, rope_dtype, in_dtypes, pdl, ta
       kernel_name="mla_set_rows_per_token_head_direct" + tag,
       interpret=common.interpret_params() if interpret else None)
 
-  def run(q2, s1, r2, loc, n2, rr2):
-    refs = [jax.new_ref(a) for a in (q2, s1, r2)]
-    kernel(loc, n2, rr2, *refs)
-    return tuple(jax.freeze(ref) for ref in refs)
-
-  return run
+  return _pth_in_place(kernel)
 
 
 # ----------------------------------------------------------------------------------------
