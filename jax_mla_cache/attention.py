@@ -176,8 +176,8 @@ def mla_decode(
   """Paged absorbed-MLA decode attention over layer `layer_id`'s cache (SPEC §7).
 
   Args:
-    cache: the state (read, not donated).
-    layer_id: static layer index.
+    cache: the state (read, not donated): an `MLAKVCache` or a `StackedMLAKVCache`.
+    layer_id: static layer index (a `StackedMLAKVCache` also takes a traced one).
     q: (B, s_q, H, R+Rr) absorbed queries `[q_nope @ W_UK | rope(q_rope)]`, bf16 or f16
       (f32 on the XLA path). The kernel needs q in the cache's dtype (plain) or in
       `model_dtype` (per_token_head).
@@ -196,7 +196,7 @@ def mla_decode(
     sequence sees positions `0 .. seq_lens - s_q + j`; one with none visible gets out 0
     and lse -inf.
   """
-  dispatch.check_cache(cache, "mla_decode")
+  dispatch.check_cache(cache, "mla_decode", stacked=True)
   layer_id = dispatch.check_layer_id(cache, layer_id, "mla_decode")
   if isinstance(sm_scale, jax.core.Tracer):
     raise TypeError("mla_decode: sm_scale must be a Python float (static), got a traced value")
@@ -209,4 +209,4 @@ def mla_decode(
   # int64 array would already have been narrowed to int32 (2**32 + 5 -> 5).
   page_table, seq_lens = check_decode_args(cache, q, page_table, seq_lens, "mla_decode")
   return dispatch.on_layer(_mla_decode, cache, layer_id, q, page_table, seq_lens,
-                           sm_scale=sm_scale, implementation=implementation)
+                           pages_at=1, sm_scale=sm_scale, implementation=implementation)

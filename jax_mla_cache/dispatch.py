@@ -35,7 +35,7 @@ from jax.custom_batching import custom_vmap
 
 from jax_mla_cache import reference
 from jax_mla_cache.config import PLAIN_DTYPES
-from jax_mla_cache.state import MLAKVCache
+from jax_mla_cache.state import MLAKVCache, StackedMLAKVCache
 from pallas_kernels import exact
 
 Implementation = Literal["xla", "pallas"] | None
@@ -218,9 +218,11 @@ def _public(jitted: Callable) -> Callable:
 
   @functools.wraps(jitted)
   def op(cache, *args, **kwargs):
-    check_cache(cache, name)
+    check_cache(cache, name, stacked=True)
     bound = bind_arguments(signature, cache, name, (cache, *args), kwargs)
     if not per_layer:
+      if isinstance(cache, StackedMLAKVCache):
+        return _on_every_layer(jitted, cache, bound, name)
       return jitted(*bound.args, **bound.kwargs)
     return on_layer(jitted, cache, bound.args[1], *bound.args[2:], **bound.kwargs)
 
@@ -229,21 +231,49 @@ def _public(jitted: Callable) -> Callable:
   return op
 
 
-def on_layer(core: Callable, cache: Any, layer_id: int, *args, **kwargs) -> Any:
+def on_layer(core: Callable, cache: Any, layer_id: Any, *args, pages_at: int | None = None,
+             **kwargs) -> Any:
   """``core(view, 0, *args, **kwargs)`` on the layer alone (``view =
   cache.layer_view(layer_id)``), each cache it returns put back into `cache`
   (`with_layer_results`): how every public per-layer op runs its jitted core, so that all
   layers of a cache share one trace of it (and outside a jit one executable). `cache` is
-  an `MLAKVCache` or a `sharding.ShardedMLAKVCache` (the same two methods)."""
+  an `MLAKVCache`, a `sharding.ShardedMLAKVCache` (the same two methods) or a
+  `StackedMLAKVCache`, whose view is every layer at once: the layer's indices are moved
+  into it first -- ``args[0]``, the slots, or with `pages_at` ``args[pages_at]``, the page
+  ids (`StackedMLAKVCache.layer_rows` / `layer_pages`; `layer_id` may be traced)."""
+  if isinstance(cache, StackedMLAKVCache):
+    args = list(args)
+    if pages_at is None:
+      op = core.__name__.lstrip("_")
+      args[0] = cache.layer_rows(layer_id, check_loc(args[0], "loc", op))
+    else:
+      args[pages_at] = cache.layer_pages(layer_id, args[pages_at])
   return with_layer_results(cache, layer_id, core(cache.layer_view(layer_id), 0, *args,
                                                   **kwargs))
 
 
+def _on_every_layer(jitted: Callable, cache: StackedMLAKVCache,
+                    bound: inspect.BoundArguments, op: str) -> StackedMLAKVCache:
+  """A move (`move_kv_cache`, `move_kv_pages`) of a `StackedMLAKVCache`: its pairs repeated
+  for every layer, moved into the stacked buffers (`StackedMLAKVCache.every_layer`; pairs
+  outside a layer become -1, skipped), then the op on the stacked view."""
+  arguments = bound.arguments
+  names = [n for n in ("tgt_loc", "src_loc", "tgt_pages", "src_pages") if n in arguments]
+  tgt, src = check_pair(arguments[names[0]], arguments[names[1]], op, tuple(names))
+  cfg = cache.config
+  per_layer = cfg.rows if names[0] == "tgt_loc" else cfg.rows // cfg.page_size
+  arguments[names[0]] = cache.every_layer(tgt, per_layer)
+  arguments[names[1]] = cache.every_layer(src, per_layer)
+  arguments["cache"] = cache.layer_view()
+  return cache.with_layer(None, jitted(*bound.args, **bound.kwargs))
+
+
 def with_layer_results(cache: Any, layer_id: int, out: Any) -> Any:
   """A per-layer op's results on `cache.layer_view(layer_id)` with each returned cache
-  (the view, of `cache`'s type) put back into `cache` (`with_layer`); other results
-  unchanged."""
-  if isinstance(out, type(cache)):
+  (the view: of `cache`'s type, or an `MLAKVCache` for a `StackedMLAKVCache`) put back
+  into `cache` (`with_layer`); other results unchanged."""
+  view_type = MLAKVCache if isinstance(cache, StackedMLAKVCache) else type(cache)
+  if isinstance(out, view_type):
     return cache.with_layer(layer_id, out)
   if isinstance(out, tuple):
     return tuple(with_layer_results(cache, layer_id, x) for x in out)
@@ -251,20 +281,32 @@ def with_layer_results(cache: Any, layer_id: int, out: Any) -> Any:
 
 
 # ----------------------------------------------------------------- validation
-def check_cache(cache: Any, op: str) -> None:
-  """Raise a TypeError naming `op` unless `cache` is an `MLAKVCache`."""
-  if not isinstance(cache, MLAKVCache):
+def check_cache(cache: Any, op: str, *, stacked: bool = False) -> None:
+  """Raise a TypeError naming `op` unless `cache` is an `MLAKVCache` (or, with `stacked`,
+  a `StackedMLAKVCache`)."""
+  if isinstance(cache, StackedMLAKVCache) and not stacked:
+    raise TypeError(f"{op}: a StackedMLAKVCache is not supported here (convert it with "
+                    "cache.unstack(), a copy)")
+  if not isinstance(cache, (MLAKVCache, StackedMLAKVCache)):
     raise TypeError(f"{op}: cache must be an MLAKVCache, got {type(cache).__name__}")
 
 
-def check_layer_id(cache: MLAKVCache, layer_id: Any, op: str) -> int:
+def check_layer_id(cache: MLAKVCache | StackedMLAKVCache, layer_id: Any, op: str) -> Any:
   """`layer_id` as a Python int in [0, layer_num); a static value is required (any
-  concrete integer scalar, e.g. np.int64 or a concrete jnp.int32, is taken as its int)."""
+  concrete integer scalar, e.g. np.int64 or a concrete jnp.int32, is taken as its int),
+  except for a `StackedMLAKVCache`, which also takes a traced integer scalar (returned as
+  is; the ops skip every index of a layer outside [0, layer_num))."""
+  if isinstance(cache, StackedMLAKVCache) and isinstance(layer_id, jax.core.Tracer):
+    if layer_id.shape != () or not jnp.issubdtype(layer_id.dtype, jnp.integer):
+      raise TypeError(f"{op}: layer_id must be an integer scalar, got "
+                      f"{layer_id.aval.str_short()}")
+    return layer_id
   if isinstance(layer_id, jax.core.Tracer):
     raise TypeError(
         f"{op}: layer_id must be a static Python int (each layer is its own buffer), "
         f"got a traced value {layer_id.aval.str_short()} (pass the layer number as a "
-        "Python int, not as an argument of a jitted function)"
+        "Python int, not as an argument of a jitted function; a StackedMLAKVCache, "
+        "init_cache(..., stacked=True), takes a traced one)"
     )
   try:
     layer_id = operator.index(layer_id)
@@ -362,7 +404,7 @@ def _set_mla_kv_buffer(
 
   Args:
     cache: the state (donated: do not use it after the call).
-    layer_id: static layer index.
+    layer_id: static layer index (a `StackedMLAKVCache` also takes a traced integer scalar).
     loc: (T,) integer slots; slots outside [0, rows) are skipped.
     cache_k_nope: (T, 1, kv_lora_rank), any float dtype.
     cache_k_rope: (T, 1, qk_rope_head_dim), any float dtype.
@@ -434,7 +476,7 @@ def _get_mla_kv_buffer(
 
   Args:
     cache: the state (not donated).
-    layer_id: static layer index.
+    layer_id: static layer index (a `StackedMLAKVCache` also takes a traced integer scalar).
     loc: (T,) integer slots; out-of-range slots read as zeros.
     dst_dtype: output dtype; default `dtype` in plain mode, `model_dtype` in
       per_token_head mode (the seed defaults to the fp8 dtype there, which would

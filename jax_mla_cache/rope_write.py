@@ -163,8 +163,7 @@ def _rope_set(
 
 def _call(fused: bool, cache, layer_id, loc, positions, q_nope, q_rope, k_nope, k_rope,
           cos_sin_cache, is_neox, q_out_dtype, sanitize, implementation):
-  if not isinstance(cache, MLAKVCache):
-    raise TypeError(f"{OP}: cache must be an MLAKVCache, got {type(cache).__name__}")
+  dispatch.check_cache(cache, OP, stacked=True)
   loc = _host_int32(loc, lambda x: np.where((x >= 0) & (x < cache.config.rows), x, -1))
   if hasattr(cos_sin_cache, "shape"):
     positions = _host_int32(positions, lambda x: np.clip(x, 0, cos_sin_cache.shape[0] - 1))
@@ -185,7 +184,7 @@ def rope_set_mla_kv_buffer(
 
   Args:
     cache: the state (donated: do not use it after the call).
-    layer_id: static layer index.
+    layer_id: static layer index (a `StackedMLAKVCache` also takes a traced integer scalar).
     loc: (T,) integer slots; slots outside [0, rows) are skipped (64-bit ones included).
     positions: (T,) integer token positions; clamped to [0, max_position).
     q_nope: (T, H, R) the absorbed query's latent part (`q_nope @ W_UK`), any float dtype.

@@ -74,12 +74,108 @@ class MLAKVCache:
     return dataclasses.replace(self, buffers=buffers)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackedMLAKVCache:
+  """KV cache state with all layers in one buffer per plane, for models that run their
+  layers under `jax.lax.scan`: the per-layer ops then take a traced `layer_id`.
+
+  `buffers` holds one array per plane (plain: `(kv,)`; per_token_head: `(nope, scale,
+  rope)`, as a layer of `MLAKVCache`), each `(layer_num * rows, 1, width)`: layer l owns
+  rows `[l * rows, (l + 1) * rows)`. The per-layer ops (`set_mla_kv_buffer`,
+  `set_kv_buffer`, `get_mla_kv_buffer`, `rope_set_mla_kv_buffer`, `mla_decode`) take slots
+  and page ids of the layer as with `MLAKVCache` and add the layer's offset themselves
+  (slots outside the layer are skipped, page ids outside it masked, and a traced
+  `layer_id` outside `[0, layer_num)` skips every write and reads nothing); the moves
+  (`move_kv_cache`, `move_kv_pages`) act on every layer. The buffers stay flat on purpose:
+  a `(layer_num, rows, ...)` carry reshaped inside a scan body made XLA:CPU copy it every
+  iteration (a layout change), a flat one is updated in place.
+
+  Not supported on this state (convert with `unstack` / `from_layers`, which copy): the
+  host tier (`get_cpu_copy` / `load_cpu_copy`), `jax_mla_cache.sharding` and
+  `MLATokenToKVPool`.
+  """
+
+  buffers: LayerBuffers
+  config: MLACacheConfig = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def layer_num(self) -> int:
+    return self.config.layer_num
+
+  @classmethod
+  def from_layers(cls, cache: MLAKVCache) -> "StackedMLAKVCache":
+    """The same contents, stacked (a copy of every buffer)."""
+    planes = zip(*cache.buffers)
+    return cls(buffers=tuple(jnp.concatenate(p, axis=0) for p in planes),
+               config=cache.config)
+
+  def unstack(self) -> MLAKVCache:
+    """The same contents as an `MLAKVCache` (a copy of every buffer)."""
+    return MLAKVCache(buffers=tuple(self.layer(l) for l in range(self.layer_num)),
+                      config=self.config)
+
+  def layer(self, layer_id: int) -> LayerBuffers:
+    """Layer `layer_id`'s rows of each plane (static slices: copies, for inspection)."""
+    rows = self.config.rows
+    return tuple(b[layer_id * rows:(layer_id + 1) * rows] for b in self.buffers)
+
+  def layer_view(self, layer_id: Any = None) -> MLAKVCache:
+    """Every layer as the one layer of an `MLAKVCache` of `layer_num * rows` rows (no copy):
+    what the per-layer ops run their cores on, with indices moved by `layer_rows` /
+    `layer_pages` (`layer_id` is not needed: the view is the same for every layer)."""
+    del layer_id
+    size = self.layer_num * self.config.rows - self.config.page_size
+    return MLAKVCache(buffers=(tuple(self.buffers),),
+                      config=self.config.replace(layer_num=1, size=size))
+
+  def with_layer(self, layer_id: Any, view: MLAKVCache) -> "StackedMLAKVCache":
+    """A new state with the buffers of a `layer_view`."""
+    del layer_id
+    return dataclasses.replace(self, buffers=tuple(view.buffers[0]))
+
+  def layer_rows(self, layer_id: Any, loc: jax.Array) -> jax.Array:
+    """Slots `loc` (int32 (T,)) of layer `layer_id` (an int or an integer scalar, traced or
+    not) as rows of the stacked buffers: -1 (skipped by every op) where the slot is outside
+    `[0, rows)` or the layer outside `[0, layer_num)`."""
+    return _in_layer(layer_id, loc, self.config.rows, self.layer_num)
+
+  def layer_pages(self, layer_id: Any, pages: jax.Array) -> jax.Array:
+    """Page ids (int32, any shape) of layer `layer_id` as pages of the stacked buffers; -1
+    (masked) where the id is outside `[0, rows // page_size)` or the layer outside
+    `[0, layer_num)`."""
+    return _in_layer(layer_id, pages, self.config.rows // self.config.page_size,
+                     self.layer_num)
+
+  def every_layer(self, index: jax.Array, per_layer: int) -> jax.Array:
+    """Indices (int32 (T,)) valid in `[0, per_layer)` in every layer: (layer_num * T,) of
+    the stacked buffers, layer by layer; -1 where outside (a move's pairs for all layers)."""
+    return jnp.concatenate([_in_layer(l, index, per_layer, self.layer_num)
+                            for l in range(self.layer_num)])
+
+
+def _in_layer(layer_id: Any, index: jax.Array, per_layer: int, layer_num: int) -> jax.Array:
+  if layer_num * per_layer >= 2**31:
+    raise ValueError(f"a stacked cache needs layer_num * rows < 2**31, got {layer_num} x "
+                     f"{per_layer}")
+  index = jnp.asarray(index)
+  ok = (index >= 0) & (index < per_layer)
+  if isinstance(layer_id, int):
+    base = layer_id * per_layer
+  else:
+    layer = jnp.asarray(layer_id)
+    ok = ok & (layer >= 0) & (layer < layer_num)   # (compared in its own width)
+    base = jnp.clip(layer, 0, layer_num - 1).astype(jnp.int32) * per_layer
+  return jnp.where(ok, index.astype(jnp.int32) + base, -1).astype(jnp.int32)
+
+
 def init_cache(
     config: MLACacheConfig,
     *,
     device: Any = None,
     sharding: jax.sharding.Sharding | None = None,
-) -> MLAKVCache:
+    stacked: bool = False,
+) -> MLAKVCache | StackedMLAKVCache:
   """A zero-filled cache for `config`.
 
   Args:
@@ -87,9 +183,14 @@ def init_cache(
     device: optional device to place the buffers on (default: JAX's default).
     sharding: optional sharding for every buffer (see `jax_mla_cache.sharding`
       for the supported layouts); exclusive with `device`.
+    stacked: a `StackedMLAKVCache` (every layer in one buffer per plane, for layers run
+      under `jax.lax.scan`) instead of an `MLAKVCache`; not with `sharding`.
   """
   if device is not None and sharding is not None:
     raise ValueError("init_cache: pass device or sharding, not both")
+  if stacked and sharding is not None:
+    raise ValueError("init_cache: a stacked cache is not shardable (jax_mla_cache.sharding "
+                     "takes an MLAKVCache)")
   placement = sharding if sharding is not None else device
 
   def zeros(shape, dtype):
@@ -97,6 +198,11 @@ def init_cache(
       return jnp.zeros(shape, dtype)
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=_as_sharding(placement))()
 
+  if stacked:
+    return StackedMLAKVCache(
+        buffers=tuple(zeros((config.layer_num * shape[0], *shape[1:]), dtype)
+                      for shape, dtype in config.buffer_shapes()),
+        config=config)
   buffers = tuple(
       tuple(zeros(shape, dtype) for shape, dtype in config.buffer_shapes())
       for _ in range(config.layer_num)
