@@ -3,6 +3,7 @@ on a GPU where XLA's compile of them goes.
 
     PYTHONPATH=$PWD python3 benchmarks/lower_demo.py [--layers 61] [--repeat 2]
     PYTHONPATH=$PWD python3 benchmarks/lower_demo.py --compile --layers 1 61 --impl pallas xla
+    PYTHONPATH=$PWD python3 benchmarks/lower_demo.py --scan [--compile] [--layers 1 61]
 
 Builds the demo's GPU model (DeepSeek-V3 cache geometry, `demo.GPU_MODEL`, batch 32,
 512-token prompts) from abstract shapes only (nothing is allocated), then for the prefill
@@ -16,6 +17,10 @@ XLA's compile seconds, for every `--layers` count and `--impl` ("pallas": the de
 GPU kernels; "xla": the same model on XLA ops only), each in a fresh process with no
 persistent compilation cache: the growth from 1 to 61 layers is what each layer costs, and
 the difference between the implementations is what the Mosaic GPU kernels cost.
+
+`--scan`: the same model with its layers under `jax.lax.scan` (`mla_demo.stack_layers`
+and a `StackedMLAKVCache`): one layer body to trace, lower and compile, whatever the layer
+count.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import sys
 import time
 
 
-def _one(layers: int, impl: str, compile_: bool) -> None:
+def _one(layers: int, impl: str, compile_: bool, scan: bool = False) -> None:
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   import jax
   import jax.numpy as jnp
@@ -41,6 +46,9 @@ def _one(layers: int, impl: str, compile_: bool) -> None:
   B, S, steps = 32, 512, 64
   params = jax.eval_shape(lambda: mla_demo.init_params(model_cfg, seed=0))
   cache = mc.cache_spec(cache_cfg)
+  if scan:   # the layers under lax.scan: stacked weights, a StackedMLAKVCache
+    params = jax.eval_shape(mla_demo.stack_layers, params)
+    cache = jax.eval_shape(mc.StackedMLAKVCache.from_layers, cache)
   P = -(-(S + steps) // cache_cfg.page_size)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   steps_to_lower = {
@@ -50,7 +58,8 @@ def _one(layers: int, impl: str, compile_: bool) -> None:
                                               implementation=impl),
   }
   print(f"  ({os.path.dirname(mc.__file__)}, jax {jax.__version__}, "
-        f"{jax.devices()[0].device_kind}, {layers} layers, {impl})", flush=True)
+        f"{jax.devices()[0].device_kind}, {layers} layers, {impl}"
+        f"{', scanned' if scan else ''})", flush=True)
   for name, trace in steps_to_lower.items():
     t0 = time.perf_counter()
     traced = trace()
@@ -73,11 +82,13 @@ def main() -> None:
   ap.add_argument("--impl", nargs="+", default=["pallas"], choices=["pallas", "xla"])
   ap.add_argument("--compile", action="store_true",
                   help="also compile for the local device (a GPU) and time XLA's compile")
+  ap.add_argument("--scan", action="store_true",
+                  help="the layers under lax.scan (mla_demo.stack_layers, a stacked cache)")
   ap.add_argument("--repeat", type=int, default=2)
   ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
   a = ap.parse_args()
   if a.one:
-    _one(a.layers[0], a.impl[0], a.compile)
+    _one(a.layers[0], a.impl[0], a.compile, a.scan)
     return
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
   for r in range(a.repeat):
@@ -85,7 +96,8 @@ def main() -> None:
       for layers in a.layers:
         print(f"run {r + 1} of {a.repeat} ({layers} layers, {impl}):", flush=True)
         subprocess.run([sys.executable, __file__, "--one", f"--layers={layers}",
-                        f"--impl={impl}"] + (["--compile"] if a.compile else []),
+                        f"--impl={impl}"] + (["--compile"] if a.compile else [])
+                       + (["--scan"] if a.scan else []),
                        check=True, env=env)
 
 

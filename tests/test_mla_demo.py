@@ -216,3 +216,56 @@ def test_decode_step_emits_each_kernel_once_for_all_layers(cache_cfg):
   assert kernels_1 >= 2  # the fused write and mla_decode
   assert kernels_4 == kernels_1
   assert chars_4 < chars_1 + 3 * 60_000  # a layer adds its XLA ops, not kernels or tables
+
+
+@pytest.mark.parametrize("cache_cfg,attention,write", [
+    (FP8.replace(page_size=32), "mla_decode", "rope_set"), (PLAIN, "gather", "set")],
+    ids=["fp8_mla_decode", "bf16_gather"])
+def test_scanned_layers_give_the_unrolled_logits(cache_cfg, attention, write):
+  """`stack_layers` + a StackedMLAKVCache: the layers run under lax.scan (traced layer ids)
+  and give the unrolled model's logits (float tolerance: XLA may fuse the scanned body
+  differently), prefill and decode."""
+  cache_cfg = cache_cfg.replace(layer_num=3)
+  cfg = mla_demo.MLADemoConfig(cache=cache_cfg)
+  params = mla_demo.init_params(cfg, seed=0)
+  tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, PROMPT + 2)).astype(np.int32)
+  page_table = jnp.asarray(mla_demo.make_page_table(2, PROMPT + 2, cache_cfg))
+  logits = {}
+  for stacked in (False, True):
+    p = mla_demo.stack_layers(params) if stacked else params
+    cache = mc.init_cache(cache_cfg, stacked=stacked)
+    out, cache = mla_demo.prefill(p, cache, jnp.asarray(tokens[:, :PROMPT]), LENGTHS,
+                                  page_table)
+    outs = [out]
+    for i in range(2):
+      positions = LENGTHS + i
+      out, cache = mla_demo.decode(p, cache, tokens[np.arange(2), positions], positions,
+                                   page_table, attention=attention, write=write)
+      outs.append(out)
+    logits[stacked] = np.stack([np.asarray(o) for o in outs])
+  scale = np.abs(logits[False]).max()
+  np.testing.assert_allclose(logits[True], logits[False], atol=LOGIT_TOL * scale, rtol=0)
+  with pytest.raises(TypeError, match="StackedMLAKVCache"):
+    mla_demo.decode(mla_demo.stack_layers(params), mc.init_cache(cache_cfg), tokens[:, 0],
+                    LENGTHS, page_table)
+
+
+def test_scanned_decode_step_does_not_grow_with_layers():
+  """The scanned decode step (stacked layers and cache) lowers for CUDA to one layer body:
+  its module is the same size at 2 and 8 layers, with the same kernels."""
+  def lowered(layers):
+    cfg = FP8.replace(layer_num=layers, page_size=32)
+    model_cfg = mla_demo.MLADemoConfig(cache=cfg, dtype=jnp.bfloat16)
+    params = jax.eval_shape(lambda: mla_demo.stack_layers(mla_demo.init_params(model_cfg)))
+    spec = mc.StackedMLAKVCache(
+        buffers=tuple(jax.ShapeDtypeStruct((layers * shape[0], *shape[1:]), dtype)
+                      for shape, dtype in cfg.buffer_shapes()), config=cfg)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    text = mla_demo.decode.trace(params, spec, i32(4), i32(4), i32(4, 2),
+                                 implementation="pallas").lower(
+        lowering_platforms=("cuda",)).as_text()
+    return text.count("custom_call @mosaic_gpu_v2("), len(text)
+
+  (kernels_2, chars_2), (kernels_8, chars_8) = lowered(2), lowered(8)
+  assert kernels_2 >= 2 and kernels_8 == kernels_2
+  assert abs(chars_8 - chars_2) < 2_000

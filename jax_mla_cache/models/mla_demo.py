@@ -53,7 +53,7 @@ import numpy as np
 from jax_mla_cache import attention as attention_ops
 from jax_mla_cache import dispatch, reference, rope, rope_write
 from jax_mla_cache.config import MLACacheConfig
-from jax_mla_cache.state import MLAKVCache
+from jax_mla_cache.state import MLAKVCache, StackedMLAKVCache
 
 F32 = jnp.float32
 
@@ -122,7 +122,7 @@ class MLADemoParams:
   """All weights; `config` is static metadata (shapes only)."""
 
   embed: jax.Array                    # (V, D)
-  layers: tuple[LayerWeights, ...]
+  layers: tuple[LayerWeights, ...] | LayerWeights   # (one stacked LayerWeights: stack_layers)
   final_norm: jax.Array               # (D,)
   lm_head: jax.Array                  # (D, V)
   config: MLADemoConfig = dataclasses.field(metadata=dict(static=True))
@@ -163,6 +163,16 @@ def init_params(config: MLADemoConfig, seed: int = 0) -> MLADemoParams:
       lm_head=normal((D, c.vocab_size), D),
       config=c,
   )
+
+
+def stack_layers(params: MLADemoParams) -> MLADemoParams:
+  """The same weights with the layers stacked: `layers` one `LayerWeights` whose leaves
+  have a leading layer axis. `forward` (`prefill`, `decode`) then runs the layers under
+  `jax.lax.scan` -- one compiled layer body -- over a `StackedMLAKVCache`."""
+  if isinstance(params.layers, LayerWeights):
+    return params
+  stacked = jax.tree.map(lambda *w: jnp.stack(w), *params.layers)
+  return dataclasses.replace(params, layers=stacked)
 
 
 # ----------------------------------------------------------------- building blocks
@@ -310,8 +320,9 @@ def forward(
   # The fused write's cos/sin table of the context's positions: one constant for all layers.
   table = rope.rope_cos_sin_cache(C, dr, c.rope_theta) if write == "rope_set" else None
 
-  x = params.embed[tokens].astype(F32)
-  for layer_id, layer in enumerate(params.layers):
+  def layer_step(x, cache, layer, layer_id):
+    """One layer: (x, cache) -> (x, cache). `layer_id` is a Python int, or traced under
+    the scan of stacked layers."""
     h = rms_norm(x, layer.attn_norm, c.rms_eps)
     if write == "rope_set":
       cache, q = _fused_write(layer, layer_id, cache, h, positions, write_loc, table, c,
@@ -347,6 +358,23 @@ def forward(
       o_latent = _einsum("bhqc,bcr->bqhr", probs, ctx_c, c.dtype)
     o = _einsum("bqhr,hrv->bqhv", o_latent, layer.w_uv, c.dtype)
     x = mlp_and_residual(layer, x, _einsum("bqhv,hvd->bqd", o, layer.w_o, c.dtype), c)
+    return x, cache
+
+  x = params.embed[tokens].astype(F32)
+  if isinstance(params.layers, LayerWeights):   # stacked (`stack_layers`): one layer body
+    if not isinstance(cache, StackedMLAKVCache):
+      raise TypeError("stacked layers (stack_layers) run under lax.scan and need a "
+                      "StackedMLAKVCache (init_cache(..., stacked=True))")
+
+    def scan_step(carry, xs):
+      layer, layer_id = xs
+      return layer_step(*carry, layer, layer_id), None
+
+    (x, cache), _ = jax.lax.scan(
+        scan_step, (x, cache), (params.layers, jnp.arange(c.num_layers, dtype=jnp.int32)))
+  else:
+    for layer_id, layer in enumerate(params.layers):
+      x, cache = layer_step(x, cache, layer, layer_id)
   return final_logits(params, x), cache
 
 
