@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, memcheck with hostile slots, diagnostics, benchmark.
 # Usage (device tool): bash benchmarks/gpu_session.sh
-#   [tests|decode|decode_bench|diag_decode|trace|regs|demo|step_profile|compile|eager|deepseek|moves|rope|
+#   [tests|decode|decode_bench|diag_decode|stacked|trace|regs|demo|step_profile|compile|eager|deepseek|moves|rope|
 #    rope_bench|sanitize|diag|diag_rows|diag_pth|diag_moves|ptx|bench|sweep_pth|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
 #
 # Budget notes (H200, jax 0.11.2; 30 min of device time a session, a cold start ~1-1.5 min):
@@ -32,6 +32,16 @@ if want diag_decode; then  # per_token_head decode kernel variants + its SASS
   mkdir -p "$OUT/sass"   # (the dump goes only into an existing folder)
   MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO="$OUT/sass" timeout 60 python3 benchmarks/diag_decode.py \
     --only pth --iters 1 > /dev/null 2>&1; ls "$OUT/sass" | head
+fi
+if want stacked; then  # StackedMLAKVCache: the scanned decode step in place on the GPU, then
+  # the demo's cold compile with its 61 layers unrolled and under lax.scan (empty caches)
+  timeout -s INT -k 20 150 "${PYTEST[@]}" tests/test_stacked.py > "$OUT/gpu_stacked_tests.log" 2>&1
+  tail -4 "$OUT/gpu_stacked_tests.log"
+  for variant in "" "--scan"; do
+    JAX_COMPILATION_CACHE_DIR=$(mktemp -d) timeout ${DEMO_TIMEOUT:-200} python3 -m jax_mla_cache \
+      demo --no-bench --no-deepseek --steps 8 --no-compare-attention $variant 2>&1 \
+      | grep --line-buffered -v "^  decode \|Warning" | tee -a "$OUT/demo_compile_scan.log"
+  done
 fi
 if want trace; then  # in-kernel profile of one decode path (TRACE_ARGS, e.g. --path narrow)
   mkdir -p "$OUT/trace"

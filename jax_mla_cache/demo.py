@@ -2,7 +2,7 @@
 
     python -m jax_mla_cache demo [--layers N] [--steps N] [--batch N] [--prompt-len N]
                                  [--quant {none,per_token_head}]
-                                 [--implementation {auto,xla,pallas}]
+                                 [--implementation {auto,xla,pallas}] [--scan]
 
 On a GPU: the DeepSeek-V3 cache (61 layers, 2^18 rows of 512 + 64, page 64) under a
 small random-weight model (`jax_mla_cache.models.mla_demo`), batch 32. On CPU: a
@@ -10,7 +10,8 @@ small random-weight model (`jax_mla_cache.models.mla_demo`), batch 32. On CPU: a
 decode step, then a table: tokens/s, the time of the two cache ops the model calls
 per layer (`set_mla_kv_buffer` with the decode step's B rows, `get_mla_kv_buffer`
 with its B x context rows; timed alone, as `jax_mla_cache.bench` times them),
-the cache's bytes, the implementation and the device.
+the cache's bytes, the implementation and the device. `--scan` runs the model's layers
+under `jax.lax.scan` (stacked weights, a `StackedMLAKVCache`): one compiled layer body.
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ def _parse(argv: list[str], on_gpu: bool) -> argparse.Namespace:
                       help="decode write: rope_set fuses both RoPEs, the latent write and the "
                            "query assembly into one launch; set keeps them separate "
                            "(with --attention gather: set)")
+  parser.add_argument("--scan", action="store_true",
+                      help="run the model's layers under lax.scan (stacked weights and a "
+                           "StackedMLAKVCache: one compiled layer body)")
   parser.add_argument("--compare-attention", action=argparse.BooleanOptionalAction,
                       default=on_gpu,
                       help="also time a decode step with the other attention and write")
@@ -173,11 +177,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{args.model_dtype}; cache: {cache_cfg.rows} rows x "
         f"({cache_cfg.kv_lora_rank} + {cache_cfg.qk_rope_head_dim}), "
         f"{args.quant}, {_bytes(cache_cfg.kv_size_bytes)}")
-  print(f"  batch {B}, prompt {S} tokens, {steps} decode steps", flush=True)
+  print(f"  batch {B}, prompt {S} tokens, {steps} decode steps"
+        + (", layers under lax.scan (StackedMLAKVCache)" if args.scan else ""), flush=True)
 
   t0 = time.perf_counter()
   params = mla_demo.init_params(model_cfg, seed=0)
-  cache = mc.init_cache(cache_cfg)
+  cache = mc.init_cache(cache_cfg, stacked=args.scan)
+  if args.scan:
+    params = mla_demo.stack_layers(params)
   page_table = jnp.asarray(mla_demo.make_page_table(B, S + steps, cache_cfg))
   prompt = jnp.asarray(np.random.default_rng(1).integers(0, model_cfg.vocab_size, (B, S)), jnp.int32)
   lengths = jnp.full((B,), S, jnp.int32)
@@ -245,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       "device": f"{device.device_kind} ({device.platform})",
       "implementation": resolved,
       "layers": args.layers,
+      "scan": args.scan,
       "batch": B,
       "prefill_tokens_per_s": B * S / prefill_s,
       "decode_tokens_per_s": B * steps / decode_s,
@@ -281,7 +289,8 @@ def _print_table(r: dict[str, Any], batch: int, context: int, cfg: mc.MLACacheCo
       ("cache ops implementation", r["implementation"]),
       ("prefill", f"{_rate(r['prefill_tokens_per_s'])} tokens/s"),
       ("decode loop", f"{_rate(r['decode_tokens_per_s'])} tokens/s ({r['decode_ms_per_step']:.2f} ms/step, "
-                      f"batch {r['batch']}, {r['layers']} layers, {r['attention']}; sample + "
+                      f"batch {r['batch']}, {r['layers']} layers{' under lax.scan' if r['scan'] else ''}, "
+                      f"{r['attention']}; sample + "
                       f"step, waited for every step)"),
       *((f"decode step, {name}", f"{ms:.2f} ms (wall clock, the step repeated without waiting: "
                                  f"dispatch overlaps the previous step)")
