@@ -45,10 +45,9 @@ def _one(layers: int, impl: str, compile_: bool, scan: bool = False) -> None:
   model_cfg = mla_demo.MLADemoConfig(cache=cache_cfg, dtype=jnp.bfloat16, **demo.GPU_MODEL)
   B, S, steps = 32, 512, 64
   params = jax.eval_shape(lambda: mla_demo.init_params(model_cfg, seed=0))
-  cache = mc.cache_spec(cache_cfg)
+  cache = mc.cache_spec(cache_cfg, stacked=scan)
   if scan:   # the layers under lax.scan: stacked weights, a StackedMLAKVCache
     params = jax.eval_shape(mla_demo.stack_layers, params)
-    cache = jax.eval_shape(mc.StackedMLAKVCache.from_layers, cache)
   P = -(-(S + steps) // cache_cfg.page_size)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   steps_to_lower = {

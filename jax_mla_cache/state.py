@@ -216,8 +216,15 @@ def _as_sharding(placement: Any) -> jax.sharding.Sharding:
   return jax.sharding.SingleDeviceSharding(placement)
 
 
-def cache_spec(config: MLACacheConfig) -> MLAKVCache:
-  """A cache of `jax.ShapeDtypeStruct` leaves (for `jax.eval_shape`/AOT lowering)."""
+def cache_spec(config: MLACacheConfig, *, stacked: bool = False
+               ) -> MLAKVCache | StackedMLAKVCache:
+  """A cache of `jax.ShapeDtypeStruct` leaves (for `jax.eval_shape`/AOT lowering); with
+  `stacked`, a `StackedMLAKVCache`'s."""
+  if stacked:
+    return StackedMLAKVCache(
+        buffers=tuple(jax.ShapeDtypeStruct((config.layer_num * shape[0], *shape[1:]), dtype)
+                      for shape, dtype in config.buffer_shapes()),
+        config=config)
   buffers = tuple(
       tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in config.buffer_shapes())
       for _ in range(config.layer_num)

@@ -257,9 +257,7 @@ def test_scanned_decode_step_does_not_grow_with_layers():
     cfg = FP8.replace(layer_num=layers, page_size=32)
     model_cfg = mla_demo.MLADemoConfig(cache=cfg, dtype=jnp.bfloat16)
     params = jax.eval_shape(lambda: mla_demo.stack_layers(mla_demo.init_params(model_cfg)))
-    spec = mc.StackedMLAKVCache(
-        buffers=tuple(jax.ShapeDtypeStruct((layers * shape[0], *shape[1:]), dtype)
-                      for shape, dtype in cfg.buffer_shapes()), config=cfg)
+    spec = mc.cache_spec(cfg, stacked=True)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     text = mla_demo.decode.trace(params, spec, i32(4), i32(4), i32(4, 2),
                                  implementation="pallas").lower(

@@ -226,9 +226,9 @@ def test_scanned_pallas_step_lowers_for_cuda_in_place():
   for CUDA, each kernel aliasing the stacked buffers, the donated cache aliased to the
   output."""
   cfg = mc.DEEPSEEK_V3_FP8.replace(size=8192 - 64, layer_num=4)
-  spec = mc.StackedMLAKVCache(
-      buffers=tuple(jax.ShapeDtypeStruct((4 * shape[0], *shape[1:]), dtype)
-                    for shape, dtype in cfg.buffer_shapes()), config=cfg)
+  spec = mc.cache_spec(cfg, stacked=True)
+  shapes = lambda tree: [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]
+  assert shapes(spec) == shapes(jax.eval_shape(lambda: mc.init_cache(cfg, stacked=True)))
   B, H = 8, 16
   S = jax.ShapeDtypeStruct
 
