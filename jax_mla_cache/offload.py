@@ -23,7 +23,7 @@ import numpy as np
 
 from jax_mla_cache import reference
 from jax_mla_cache.dispatch import check_cache, check_loc, host_indices
-from jax_mla_cache.state import MLAKVCache
+from jax_mla_cache.state import MLAKVCache, StackedMLAKVCache
 
 OFFLOAD_CHUNK_TOKENS = 1024
 """The seed's `offload_chunk_page_num`: tokens per host chunk."""
@@ -140,7 +140,7 @@ def check_token_indices(token_indices: Any, name: str, op: str) -> jax.Array:
 
 
 def get_cpu_copy(
-    cache: MLAKVCache,
+    cache: MLAKVCache | StackedMLAKVCache,
     token_indices: Sequence[int] | jax.Array,
     *,
     chunk_size: int = OFFLOAD_CHUNK_TOKENS,
@@ -150,7 +150,8 @@ def get_cpu_copy(
   """Copy rows `token_indices` (T,) of every layer/buffer to host memory.
 
   Asynchronous: returns before the copy finishes; reading a leaf (or
-  `HostCopy.block_until_ready()`) waits. Out-of-range indices copy zeros.
+  `HostCopy.block_until_ready()`) waits. Out-of-range indices copy zeros. A
+  `StackedMLAKVCache` gives the same copy as its contents unstacked (the one-device layout).
   `memory_kind`: "auto" (pinned_host when available), a memory kind, or None.
   `reuse`: a previous HostCopy of the same token count and chunking whose host
   buffers are recycled (it is consumed: its arrays are deleted). On one device the
@@ -159,24 +160,26 @@ def get_cpu_copy(
   not modified or donated.
   """
   op = "get_cpu_copy"
-  check_cache(cache, op)
+  check_cache(cache, op, stacked=True)
   idx = check_token_indices(token_indices, "token_indices", op)
   if chunk_size <= 0:
     raise ValueError(f"{op}: chunk_size must be positive, got {chunk_size}")
   tokens = int(idx.shape[0])
+  layers = cache.config.layer_num
   if tokens == 0:
-    return HostCopy(chunks=tuple(() for _ in cache.buffers), token_count=0, chunk_size=chunk_size)
-  devices = cache.buffers[0][0].devices()
+    return HostCopy(chunks=tuple(() for _ in range(layers)), token_count=0,
+                    chunk_size=chunk_size)
+  devices = _first_buffer(cache).devices()
   if memory_kind == "auto":
     memory_kind = host_memory_kind(next(iter(devices)))
   if reuse is not None:
     if not isinstance(reuse, HostCopy) or (reuse.token_count, reuse.chunk_size) != (tokens, chunk_size) \
-        or len(reuse) != len(cache.buffers):
+        or len(reuse) != layers:
       raise ValueError(
           f"{op}: reuse must be a HostCopy of {tokens} tokens in chunks of {chunk_size} for "
-          f"{len(cache.buffers)} layers, got {reuse if not isinstance(reuse, HostCopy) else (reuse.token_count, reuse.chunk_size, len(reuse))}"
+          f"{layers} layers, got {reuse if not isinstance(reuse, HostCopy) else (reuse.token_count, reuse.chunk_size, len(reuse))}"
       )
-  if len(devices) == 1:
+  if len(devices) == 1 or isinstance(cache, StackedMLAKVCache):
     return _get_stacked(cache, idx, chunk_size, next(iter(devices)), memory_kind, reuse)
   # Where the gathered rows land: the buffers' sharding, moved to host memory.
   out_shardings = tuple(
@@ -196,9 +199,23 @@ def get_cpu_copy(
   return HostCopy(chunks=chunks, token_count=tokens, chunk_size=chunk_size)
 
 
+def _first_buffer(cache: MLAKVCache | StackedMLAKVCache) -> jax.Array:
+  return cache.buffers[0] if isinstance(cache, StackedMLAKVCache) else cache.buffers[0][0]
+
+
 @functools.partial(jax.jit, static_argnames=("chunk_size",))
-def _gather_stacked(cache: MLAKVCache, idx: jax.Array, chunk_size: int):
-  """(chunk, buffer kind) -> (layer_num, n, 1, width) device arrays of rows `idx`."""
+def _gather_stacked(cache: MLAKVCache | StackedMLAKVCache, idx: jax.Array, chunk_size: int):
+  """(chunk, buffer kind) -> (layer_num, n, 1, width) device arrays of rows `idx`. A
+  `StackedMLAKVCache` gives the same arrays, each one gather of every layer's rows."""
+  if isinstance(cache, StackedMLAKVCache):
+    L = cache.layer_num
+    rows = cache.every_layer(idx, cache.config.rows).reshape(L, -1)   # -1: zeros
+    return tuple(
+        tuple(reference.gather_rows(buf, rows[:, s:e].reshape(-1)).reshape(L, e - s,
+                                                                           *buf.shape[1:])
+              for buf in cache.buffers)
+        for s, e in _chunk_bounds(idx.shape[0], chunk_size)
+    )
   kinds = len(cache.buffers[0])
   return tuple(
       tuple(jnp.stack([reference.gather_rows(layer[k], idx[s:e]) for layer in cache.buffers])
@@ -229,10 +246,16 @@ def _get_stacked(cache: MLAKVCache, idx: jax.Array, chunk_size: int, device: Any
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("start", "stop"))
-def _scatter_stacked_chunk(cache: MLAKVCache, kinds, idx: jax.Array, start: int,
-                           stop: int) -> MLAKVCache:
-  """One chunk of a stacked copy (per kind (layer_num, n, 1, width)) into rows idx[start:stop]."""
+def _scatter_stacked_chunk(cache: MLAKVCache | StackedMLAKVCache, kinds, idx: jax.Array,
+                           start: int, stop: int) -> MLAKVCache | StackedMLAKVCache:
+  """One chunk of a stacked copy (per kind (layer_num, n, 1, width)) into rows idx[start:stop]
+  (of a `StackedMLAKVCache`: one scatter a kind, into every layer's rows)."""
   loc = idx[start:stop]
+  if isinstance(cache, StackedMLAKVCache):
+    flat = cache.every_layer(loc, cache.config.rows)                  # -1: skipped
+    return dataclasses.replace(cache, buffers=tuple(
+        reference.scatter_rows(buf, flat, rows.reshape(-1, *rows.shape[2:]))
+        for buf, rows in zip(cache.buffers, kinds)))
   new = [list(layer) for layer in cache.buffers]
   for k, rows in enumerate(kinds):
     for layer_id, layer in enumerate(new):
@@ -258,26 +281,30 @@ def scatter_chunks(cache: MLAKVCache, chunks, idx: jax.Array) -> MLAKVCache:
 
 
 def load_cpu_copy(
-    cache: MLAKVCache,
+    cache: MLAKVCache | StackedMLAKVCache,
     host_copy: HostCopy,
     token_indices: Sequence[int] | jax.Array,
 ) -> MLAKVCache:
   """Write a `HostCopy` back into rows `token_indices` (donates `cache`).
 
   `token_indices` must have the copy's length (the rows may differ from the ones
-  copied out). Out-of-range indices are skipped.
+  copied out). Out-of-range indices are skipped. A `StackedMLAKVCache` takes a one-device
+  copy (of either kind of cache).
   """
   op = "load_cpu_copy"
-  check_cache(cache, op)
+  check_cache(cache, op, stacked=True)
   idx = check_token_indices(token_indices, "token_indices", op)
   check_host_copy(cache, host_copy, idx, op)
   if idx.shape[0] == 0:
     return cache
+  if isinstance(cache, StackedMLAKVCache) and not host_copy.stacked:
+    raise TypeError(f"{op}: a StackedMLAKVCache loads the one-device layout of a HostCopy "
+                    "only, not the nested one of a sharded cache")
   if host_copy.stacked:
     # Every chunk's host-to-device transfer is issued first (asynchronous, at the copy
     # engine's rate), then one donated scatter per chunk: the scatter of chunk k waits only
     # for its own transfer, so it runs while the later chunks are still in flight.
-    sharding = cache.buffers[0][0].sharding
+    sharding = _first_buffer(cache).sharding
     chunks = [jax.device_put(kinds, sharding) for kinds in host_copy.stacked]
     bounds = _chunk_bounds(int(idx.shape[0]), host_copy.chunk_size)
     for (start, stop), kinds in zip(bounds, chunks):

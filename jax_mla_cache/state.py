@@ -91,9 +91,9 @@ class StackedMLAKVCache:
   a `(layer_num, rows, ...)` carry reshaped inside a scan body made XLA:CPU copy it every
   iteration (a layout change), a flat one is updated in place.
 
-  Not supported on this state (convert with `unstack` / `from_layers`, which copy): the
-  host tier (`get_cpu_copy` / `load_cpu_copy`), `jax_mla_cache.sharding` and
-  `MLATokenToKVPool`.
+  The host tier (`get_cpu_copy` / `load_cpu_copy`) takes it too (the same `HostCopy` as
+  the contents unstacked). Not supported on this state (convert with `unstack` /
+  `from_layers`, which copy): `jax_mla_cache.sharding` and `MLATokenToKVPool`.
   """
 
   buffers: LayerBuffers

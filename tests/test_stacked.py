@@ -185,8 +185,9 @@ def test_traced_layer_outside_the_cache_touches_nothing(rng):
 def test_errors_name_the_stacked_cache(rng):
   cfg = CONFIGS["bf16"]
   stacked = mc.init_cache(cfg, stacked=True)
-  with pytest.raises(TypeError, match="unstack"):
-    mc.get_cpu_copy(stacked, np.arange(4))
+  from jax_mla_cache import sharding
+  with pytest.raises(TypeError, match="ShardedMLAKVCache"):
+    sharding.get_mla_kv_buffer(stacked, 0, np.arange(4))
   with pytest.raises(ValueError, match=r"layer_id must be in \[0, 3\)"):
     mc.get_mla_kv_buffer(stacked, 3, np.arange(4))
   with pytest.raises(TypeError, match="integer scalar"):
@@ -311,3 +312,27 @@ def test_readme_stacked_example_runs(rng):
                                   np.asarray(w_out, np.float32))
     np.testing.assert_array_equal(np.asarray(lse[layer]), np.asarray(w_lse))
   leaves_equal(cache.unstack(), want)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "pth"])
+def test_host_tier_round_trip_matches_unstacked(mode, rng):
+  """get_cpu_copy of a stacked cache is the unstacked cache's copy (same layout, same
+  bytes); load_cpu_copy into a stacked cache (from either copy) gives the unstacked result.
+  Slots outside a layer copy zeros and are skipped on the way back."""
+  cfg = CONFIGS[mode]
+  cache = mc.init_cache(cfg)
+  for layer in range(L):
+    cache = mc.set_mla_kv_buffer(cache, layer, np.arange(cfg.rows),
+                                 *rows_input(rng, cfg, cfg.rows, layer + 1))
+  stacked = mc.StackedMLAKVCache.from_layers(cache)
+  out = np.array([3, cfg.rows, 40, -1, 100, 2**32 + 3, 7], np.int64)
+  back = np.array([50, 60, cfg.rows + 1, 70, 5, 6, 9], np.int64)
+  want_copy = mc.get_cpu_copy(cache, out, chunk_size=3)
+  got_copy = mc.get_cpu_copy(stacked, out, chunk_size=3)
+  leaves_equal(got_copy, want_copy)
+  want = mc.load_cpu_copy(cache, want_copy, back)
+  leaves_equal(mc.load_cpu_copy(stacked, got_copy, back).unstack(), want)
+  stacked = mc.StackedMLAKVCache.from_layers(mc.StackedMLAKVCache.from_layers(
+      want).unstack())   # (a fresh copy of the same contents: `want` was not donated)
+  leaves_equal(mc.load_cpu_copy(stacked, want_copy, back).unstack(),
+               mc.load_cpu_copy(want, want_copy, back))
