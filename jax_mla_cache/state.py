@@ -99,6 +99,13 @@ class StackedMLAKVCache:
   buffers: LayerBuffers
   config: MLACacheConfig = dataclasses.field(metadata=dict(static=True))
 
+  def __post_init__(self):
+    if self.config.layer_num * self.config.rows >= 2**31:
+      raise ValueError(
+          f"StackedMLAKVCache: layer_num x rows = {self.config.layer_num} x "
+          f"{self.config.rows} must stay below 2**31 (the ops index the stacked rows with "
+          "int32); use an MLAKVCache, whose layers are separate buffers")
+
   @property
   def layer_num(self) -> int:
     return self.config.layer_num
@@ -155,9 +162,8 @@ class StackedMLAKVCache:
 
 
 def _in_layer(layer_id: Any, index: jax.Array, per_layer: int, layer_num: int) -> jax.Array:
-  if layer_num * per_layer >= 2**31:
-    raise ValueError(f"a stacked cache needs layer_num * rows < 2**31, got {layer_num} x "
-                     f"{per_layer}")
+  """`index + layer_id * per_layer` in int32 (no overflow: `StackedMLAKVCache` keeps
+  layer_num x rows below 2**31), -1 where the index or the layer is out of range."""
   index = jnp.asarray(index)
   ok = (index >= 0) & (index < per_layer)
   if isinstance(layer_id, int):

@@ -196,6 +196,8 @@ def test_errors_name_the_stacked_cache(rng):
   with pytest.raises(TypeError, match="stacked=True"):
     jax.jit(lambda c, l: mc.get_mla_kv_buffer(c, l, jnp.arange(4)))(mc.init_cache(cfg),
                                                                      jnp.int32(1))
+  with pytest.raises(ValueError, match=r"below 2\*\*31"):
+    mc.cache_spec(mc.DEEPSEEK_V3.replace(size=2**26 - 64, layer_num=61), stacked=True)
   with pytest.raises(ValueError, match="not shardable"):
     mc.init_cache(cfg, stacked=True, sharding=jax.sharding.SingleDeviceSharding(
         jax.devices()[0]))
