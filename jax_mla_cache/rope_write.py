@@ -24,6 +24,7 @@ narrowed to int32, so 64-bit values never wrap.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import jax
@@ -209,14 +210,15 @@ def rope_set_mla_kv_buffer(
                cos_sin_cache, is_neox, q_out_dtype, sanitize, implementation)
 
 
-def unfused_rope_set_mla_kv_buffer(
-    cache: MLAKVCache, layer_id: int, loc: Any, positions: Any, q_nope: jax.Array,
-    q_rope: jax.Array, k_nope: jax.Array, k_rope: jax.Array, cos_sin_cache: Any, *,
-    is_neox: bool = False, q_out_dtype: Any = None, sanitize: bool = False,
-    implementation: dispatch.Implementation = None,
-) -> tuple[MLAKVCache, jax.Array]:
-  """The unfused composition (XLA RoPE, `set_mla_kv_buffer` with `implementation`, a
-  concatenate): `rope_set_mla_kv_buffer`'s reference and the benchmark's baseline. Same
-  arguments and results."""
-  return _call(False, cache, layer_id, loc, positions, q_nope, q_rope, k_nope, k_rope,
-               cos_sin_cache, is_neox, q_out_dtype, sanitize, implementation)
+@functools.wraps(rope_set_mla_kv_buffer)   # (its signature)
+def unfused_rope_set_mla_kv_buffer(*args, **kwargs) -> tuple[MLAKVCache, jax.Array]:
+  bound = inspect.signature(rope_set_mla_kv_buffer).bind(*args, **kwargs)
+  bound.apply_defaults()
+  return _call(False, **bound.arguments)
+
+
+unfused_rope_set_mla_kv_buffer.__name__ = "unfused_rope_set_mla_kv_buffer"
+unfused_rope_set_mla_kv_buffer.__qualname__ = "unfused_rope_set_mla_kv_buffer"
+unfused_rope_set_mla_kv_buffer.__doc__ = """The unfused composition (XLA RoPE,
+`set_mla_kv_buffer` with `implementation`, a concatenate): `rope_set_mla_kv_buffer`'s
+reference and the benchmark's baseline. Same arguments (its signature) and results."""
