@@ -284,7 +284,7 @@ def load_cpu_copy(
     cache: MLAKVCache | StackedMLAKVCache,
     host_copy: HostCopy,
     token_indices: Sequence[int] | jax.Array,
-) -> MLAKVCache:
+) -> MLAKVCache | StackedMLAKVCache:
   """Write a `HostCopy` back into rows `token_indices` (donates `cache`).
 
   `token_indices` must have the copy's length (the rows may differ from the ones

@@ -210,9 +210,12 @@ def rope_set_mla_kv_buffer(
                cos_sin_cache, is_neox, q_out_dtype, sanitize, implementation)
 
 
+_SIGNATURE = inspect.signature(rope_set_mla_kv_buffer)
+
+
 @functools.wraps(rope_set_mla_kv_buffer)   # (its signature)
 def unfused_rope_set_mla_kv_buffer(*args, **kwargs) -> tuple[MLAKVCache, jax.Array]:
-  bound = inspect.signature(rope_set_mla_kv_buffer).bind(*args, **kwargs)
+  bound = _SIGNATURE.bind(*args, **kwargs)
   bound.apply_defaults()
   return _call(False, **bound.arguments)
 
