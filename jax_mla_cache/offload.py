@@ -40,8 +40,8 @@ class HostCopy:
     is one (layer_num, n, 1, width) array holding that chunk's rows of that buffer for
     every layer, so a chunk moves in one transfer per buffer kind (one for a plain cache,
     three for per_token_head) instead of one per layer.
-  * nested (sharded caches, `jax_mla_cache.sharding`): `chunks[layer][chunk][buffer]`
-    arrays of (n, 1, width).
+  * nested (sharded caches, `jax_mla_cache.sharding`, stacked or not):
+    `chunks[layer][chunk][buffer]` arrays of (n, 1, width).
 
   `n <= chunk_size` (the last chunk holds the remainder). `copy[layer]` gives that
   layer's chunks like the seed's nested lists (numpy arrays for a stacked copy).
@@ -101,11 +101,20 @@ def _host_sharding(buf: jax.Array, memory_kind: str | None):
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size",))
-def gather_chunks(cache: MLAKVCache, idx: jax.Array, chunk_size: int):
+def gather_chunks(cache: MLAKVCache | StackedMLAKVCache, idx: jax.Array, chunk_size: int):
   """Rows `idx` (T,) of every layer and buffer, in chunks of `chunk_size` tokens, on the
   cache's devices: `chunks[layer][chunk][buffer]` of (n, 1, width), n <= chunk_size (the
-  nested layout of `HostCopy`). Out-of-range rows read as zeros."""
+  nested layout of `HostCopy`). Out-of-range rows read as zeros. A `StackedMLAKVCache`
+  gives the same arrays (each layer's rows gathered from the stacked buffers; what a
+  sharded stacked cache's shards run)."""
   bounds = _chunk_bounds(idx.shape[0], chunk_size)
+  if isinstance(cache, StackedMLAKVCache):
+    layers = [cache.layer_rows(l, idx) for l in range(cache.layer_num)]   # -1: zeros
+    return tuple(
+        tuple(tuple(reference.gather_rows(buf, rows[s:e]) for buf in cache.buffers)
+              for s, e in bounds)
+        for rows in layers
+    )
   return tuple(
       tuple(tuple(reference.gather_rows(buf, idx[s:e]) for buf in layer) for s, e in bounds)
       for layer in cache.buffers
@@ -264,11 +273,22 @@ def _scatter_stacked_chunk(cache: MLAKVCache | StackedMLAKVCache, kinds, idx: ja
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
-def scatter_chunks(cache: MLAKVCache, chunks, idx: jax.Array) -> MLAKVCache:
+def scatter_chunks(cache: MLAKVCache | StackedMLAKVCache, chunks, idx: jax.Array
+                   ) -> MLAKVCache | StackedMLAKVCache:
   """Write nested chunks (`gather_chunks`' layout, host or device memory) into rows
-  `idx` (T,) of every layer and buffer (donates `cache`); out-of-range rows are skipped."""
+  `idx` (T,) of every layer and buffer (donates `cache`); out-of-range rows are skipped.
+  A `StackedMLAKVCache`: one scatter a chunk and plane, into every layer's rows."""
   chunk_size = chunks[0][0][0].shape[0] if chunks and chunks[0] else 1
   bounds = _chunk_bounds(idx.shape[0], chunk_size)
+  if isinstance(cache, StackedMLAKVCache):
+    new = list(cache.buffers)
+    for c, (s, e) in enumerate(bounds):
+      flat = cache.every_layer(idx[s:e], cache.config.rows)             # -1: skipped
+      for k in range(len(new)):
+        rows = jnp.concatenate([jax.device_put(layer_chunks[c][k], jax.memory.Space.Device)
+                                for layer_chunks in chunks])
+        new[k] = reference.scatter_rows(new[k], flat, rows)
+    return dataclasses.replace(cache, buffers=tuple(new))
   new_layers = []
   for layer, layer_chunks in zip(cache.buffers, chunks):
     new = list(layer)
