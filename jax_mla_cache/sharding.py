@@ -42,6 +42,27 @@ Layouts (`world` = size of `layout.axis`; `rows` = the logical config's rows):
   source and target live on different ranks goes through one all-reduce.
   Needs `page_size % world == 0` and `rows % world == 0`.
 
+Stacked caches (layers under `jax.lax.scan`): `init_sharded_cache(config, layout,
+stacked=True)` makes `ShardedMLAKVCache.cache` a `StackedMLAKVCache` (one buffer per plane
+for every layer) for the data_parallel, replicated and context_parallel layouts. Its global
+flat buffers are *rank-major*: the shard a rank holds is exactly its own stacked cache of
+all layers, `(layer_num * local_rows, 1, width)` with layer l at local rows
+`[l * local_rows, (l + 1) * local_rows)` (`local_rows` = the shard config's rows: `rows`
+for data_parallel and replicated, `rows / world` for context_parallel). A global array of
+`world * layer_num * local_rows` rows (replicated: `layer_num * rows`) is therefore *not*
+layer-major over the whole mesh: read a layer through the ops or `unstack()`, not
+`cache.cache.layer(l)`. Every op runs the unsharded op on each shard's stacked cache,
+with `layer_id` a static int or a traced integer scalar (it enters the shard_map as a
+replicated scalar argument, so every layer shares one trace): per-layer ops act on that
+layer of each shard (a traced layer id outside `[0, layer_num)` writes nothing and reads
+zeros / lse -inf), moves and the host tier act on every layer. Token arguments, results
+and host copies are laid out as for the unstacked cache of the same layout (a host copy of
+one loads into the other). Pipeline layouts take no stacked cache (ValueError): a stage's
+devices hold only that stage's layers, so one buffer of every layer has no place to live.
+Stack per stage instead: each stage's program keeps its own cache of its layers,
+`init_sharded_cache(stage_config, ShardedLayout("replicated", layout.stage_mesh(s),
+layout.axis), stacked=True)`, as `stage_view` gives an unstacked pipeline cache's stage.
+
 Equivalent single-device code, per layout (plain mode, in-range slots)::
 
     data_parallel:    pools[k] = set(pools[k], loc[k*T/w:(k+1)*T/w], ...)   for each rank k
@@ -68,7 +89,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax_mla_cache import attention, dispatch, offload, reference, rope_write
 from jax_mla_cache.config import MLACacheConfig
 from jax_mla_cache.dispatch import Implementation  # noqa: F401 (the generated ops' annotations)
-from jax_mla_cache.state import MLAKVCache, init_cache
+from jax_mla_cache.state import MLAKVCache, StackedMLAKVCache, init_cache
 from pallas_kernels.mla_decode import finish_lse_merge
 
 LayoutKind = Literal["data_parallel", "pipeline", "replicated", "context_parallel"]
@@ -172,10 +193,21 @@ class ShardedLayout:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ShardedMLAKVCache:
-  """A cache of global sharded arrays (`cache`, storage geometry) and its layout."""
+  """A cache of global sharded arrays (`cache`, storage geometry) and its layout.
 
-  cache: MLAKVCache
+  `cache` is an `MLAKVCache` (`buffers[layer][plane]`, each `(storage rows, 1, width)`) or,
+  for a stacked cache (`init_sharded_cache(..., stacked=True)`), a `StackedMLAKVCache`
+  (`buffers[plane]`, each `(layer_num * storage rows, 1, width)`, rank-major: rank k's shard
+  is its own stacked cache of every layer, module docstring).
+  """
+
+  cache: MLAKVCache | StackedMLAKVCache
   layout: ShardedLayout = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def stacked(self) -> bool:
+    """Whether `cache` is a `StackedMLAKVCache` (rank-major, module docstring)."""
+    return isinstance(self.cache, StackedMLAKVCache)
 
   @property
   def config(self) -> MLACacheConfig:
@@ -186,23 +218,98 @@ class ShardedMLAKVCache:
   def buffers(self):
     return self.cache.buffers
 
-  def replace(self, cache: MLAKVCache) -> "ShardedMLAKVCache":
+  def replace(self, cache: MLAKVCache | StackedMLAKVCache) -> "ShardedMLAKVCache":
     return dataclasses.replace(self, cache=cache)
 
   def layer_view(self, layer_id: int) -> "ShardedMLAKVCache":
-    """Layer `layer_id` alone, as a one-layer sharded cache (`MLAKVCache.layer_view`)."""
+    """Layer `layer_id` alone, as a one-layer sharded cache (`MLAKVCache.layer_view`).
+    Unstacked caches only (the ops of a stacked one pass the layer id into every shard)."""
+    if self.stacked:
+      raise TypeError("ShardedMLAKVCache.layer_view: a stacked sharded cache has no one-layer "
+                      "view (its ops take the layer id, static or traced, into every shard)")
     return self.replace(self.cache.layer_view(layer_id))
 
   def with_layer(self, layer_id: int, view: "ShardedMLAKVCache") -> "ShardedMLAKVCache":
     """A new state with layer `layer_id` taken from a `layer_view`."""
     return self.replace(self.cache.with_layer(layer_id, view.cache))
 
+  def unstack(self) -> "ShardedMLAKVCache":
+    """A stacked cache's contents as an unstacked cache of the same layout (a copy of every
+    buffer, made shard by shard: `StackedMLAKVCache.unstack` of each rank's stacked cache,
+    no communication). Layer l's global buffers then hold every rank's layer l as the
+    unstacked layout does."""
+    if not self.stacked:
+      raise TypeError("ShardedMLAKVCache.unstack: the cache is not stacked")
+    return self.replace(_restack(self.layout, self.cache, stacked=False))
 
-def init_sharded_cache(config: MLACacheConfig, layout: ShardedLayout) -> ShardedMLAKVCache:
-  """A zero-filled cache of logical geometry `config` laid out as `layout`."""
+  @classmethod
+  def from_layers(cls, cache: "ShardedMLAKVCache") -> "ShardedMLAKVCache":
+    """An unstacked sharded cache's contents as a stacked one of the same layout (a copy of
+    every buffer, made shard by shard: each rank's layers become its stacked cache, the
+    rank-major layout of the module docstring; no communication)."""
+    _check_sharded(cache, "ShardedMLAKVCache.from_layers")
+    if cache.stacked:
+      raise TypeError("ShardedMLAKVCache.from_layers: the cache is already stacked")
+    _check_stackable(cache.layout, "ShardedMLAKVCache.from_layers")
+    return cache.replace(_restack(cache.layout, cache.cache, stacked=True))
+
+
+def _check_stackable(layout: ShardedLayout, op: str) -> None:
+  if layout.kind == "pipeline":
+    raise ValueError(
+        f"{op}: a pipeline layout takes no stacked cache: a stage's devices hold only that "
+        "stage's layers, so one flat buffer of every layer has no place to live. Stack per "
+        "stage instead: a cache of the stage's layers for each stage's program, "
+        "init_sharded_cache(stage_config, ShardedLayout('replicated', "
+        "layout.stage_mesh(s), layout.axis), stacked=True)")
+
+
+def _restack(layout: ShardedLayout, storage: MLAKVCache | StackedMLAKVCache,
+             stacked: bool) -> MLAKVCache | StackedMLAKVCache:
+  """`storage`'s contents stacked (`stacked`) or unstacked, every shard on its own (the
+  rank-major layout: a shard's stacked cache is its layers stacked)."""
+  shard = layout.shard_config(storage.config)
+
+  def body(buffers):
+    if stacked:
+      return StackedMLAKVCache.from_layers(MLAKVCache(buffers=buffers, config=shard)).buffers
+    return StackedMLAKVCache(buffers=buffers, config=shard).unstack().buffers
+
+  spec = layout.buffer_spec
+  buffers = jax.jit(jax.shard_map(body, mesh=layout.mesh, in_specs=(spec,), out_specs=spec,
+                                  check_vma=False))(storage.buffers)
+  kind = StackedMLAKVCache if stacked else MLAKVCache
+  return kind(buffers=buffers, config=storage.config)
+
+
+def init_sharded_cache(config: MLACacheConfig, layout: ShardedLayout, *,
+                       stacked: bool = False) -> ShardedMLAKVCache:
+  """A zero-filled cache of logical geometry `config` laid out as `layout`.
+
+  Args:
+    config: the logical geometry (what `loc` addresses; data_parallel: one rank's pool).
+    layout: the `ShardedLayout`.
+    stacked: `cache` a `StackedMLAKVCache` (layers under `jax.lax.scan`: the ops take a
+      traced `layer_id`), not with a pipeline layout (ValueError). Its global buffers are
+      `(layer_num * storage rows, 1, width)`, rank-major: rank k's shard is its own stacked
+      cache of all layers, `(layer_num * local_rows, 1, width)` (module docstring).
+      Otherwise `cache` is an `MLAKVCache`: `layer_num` buffers per plane of
+      `(storage rows, 1, width)` (storage rows: data_parallel `world * rows`, the others
+      `rows`).
+  """
   if not isinstance(layout, ShardedLayout):
     raise TypeError(f"init_sharded_cache: layout must be a ShardedLayout, got {type(layout).__name__}")
   storage = layout.storage_config(config)
+  if stacked:
+    _check_stackable(layout, "init_sharded_cache")
+    sharding = layout.buffer_sharding(0, storage.layer_num)
+    zeros = lambda shape, dtype: jax.jit(lambda: jnp.zeros(shape, dtype),
+                                         out_shardings=sharding)()
+    cache = StackedMLAKVCache(
+        buffers=tuple(zeros((storage.layer_num * shape[0], *shape[1:]), dtype)
+                      for shape, dtype in storage.buffer_shapes()),
+        config=storage)
+    return ShardedMLAKVCache(cache=cache, layout=layout)
   if layout.kind == "pipeline":
     one_layer = storage.replace(layer_num=1)
     buffers = tuple(
@@ -255,6 +362,8 @@ def _to_stage(view: ShardedMLAKVCache, x: Any) -> Any:
 def _check_sharded(cache: Any, op: str) -> None:
   if not isinstance(cache, ShardedMLAKVCache):
     raise TypeError(f"{op}: cache must be a ShardedMLAKVCache, got {type(cache).__name__}")
+  if cache.stacked:
+    _check_stackable(cache.layout, op)
 
 
 def _check_tokens(layout: ShardedLayout, tokens: int, name: str, op: str) -> None:
@@ -265,10 +374,36 @@ def _check_tokens(layout: ShardedLayout, tokens: int, name: str, op: str) -> Non
     )
 
 
-def _local_cache(layout: ShardedLayout, storage: MLACacheConfig, buffers) -> MLAKVCache:
-  """The shard of `buffers` (a tuple of layers) as an ordinary cache."""
+def _local_cache(layout: ShardedLayout, storage: MLACacheConfig, buffers,
+                 stacked: bool = False) -> MLAKVCache | StackedMLAKVCache:
+  """The shard of `buffers` as an ordinary cache: an `MLAKVCache` of a tuple of layers, or
+  with `stacked` a `StackedMLAKVCache` of every layer (`buffers` its tuple of planes)."""
+  if stacked:
+    return StackedMLAKVCache(buffers=tuple(buffers), config=layout.shard_config(storage))
   config = layout.shard_config(storage).replace(layer_num=len(buffers))
   return MLAKVCache(buffers=tuple(buffers), config=config)
+
+
+def _flat(local: MLAKVCache | StackedMLAKVCache) -> tuple[jax.Array, ...]:
+  """Every buffer of a shard's cache: an `MLAKVCache`'s layer by layer, a stacked one's
+  planes (each holding every layer)."""
+  return tuple(local.buffers) if isinstance(local, StackedMLAKVCache) else local.flat_buffers()
+
+
+def _with_flat(local: MLAKVCache | StackedMLAKVCache, flat) -> MLAKVCache | StackedMLAKVCache:
+  """Inverse of `_flat`."""
+  if isinstance(local, StackedMLAKVCache):
+    return dataclasses.replace(local, buffers=tuple(flat))
+  return local.with_flat_buffers(tuple(flat))
+
+
+def _every_layer(local: MLAKVCache | StackedMLAKVCache, loc: jax.Array) -> jax.Array:
+  """Shard-local rows `loc` (T,) as the index of every buffer of `_flat(local)`: `loc`
+  itself (each buffer is one layer's), or for a stacked cache the rows of every layer,
+  (layer_num * T,) layer by layer (`StackedMLAKVCache.every_layer`; -1 outside)."""
+  if isinstance(local, StackedMLAKVCache):
+    return local.every_layer(loc, local.config.rows)
+  return loc
 
 
 def _owned(layout: ShardedLayout, loc: jax.Array, rows: int) -> jax.Array:
@@ -318,16 +453,18 @@ ranks' results are summed bit-exactly (`_combine_owned`)."""
 
 def _per_shard(layout: ShardedLayout, storage: MLACacheConfig, run: Callable,
                arguments: dict[str, str], results: tuple[str, ...], *,
-               logical_slots: bool = False) -> Callable:
+               logical_slots: bool = False, stacked: bool = False) -> Callable:
   """`run` on every shard, under `jax.shard_map(..., check_vma=False)`.
 
-  The returned function takes `(buffers, *arrays)`: a tuple of layers of global arrays
-  and one array (or pytree) per entry of `arguments` (name -> SLOTS, PAGES, TOKENS or
-  REPLICATED, in that order). Each shard calls `run(local, **arrays)` with its buffers as an
-  ordinary `MLAKVCache` (storage geometry `layout.shard_config(storage)`) and its part of
-  the arrays, SLOTS made shard-local (`_to_local`) unless `logical_slots`. `run` returns one
-  value per entry of `results` (CACHE: the local cache; TOKENS, GATHERED: arrays or pytrees);
-  the function returns them laid out over the mesh (CACHE: the new tuple of layers).
+  The returned function takes `(buffers, *arrays)`: a tuple of layers of global arrays (with
+  `stacked`: the tuple of planes of a rank-major `StackedMLAKVCache`) and one array (or
+  pytree) per entry of `arguments` (name -> SLOTS, PAGES, TOKENS or REPLICATED, in that
+  order). Each shard calls `run(local, **arrays)` with its buffers as an ordinary
+  `MLAKVCache` (storage geometry `layout.shard_config(storage)`; with `stacked`, a
+  `StackedMLAKVCache` of every layer) and its part of the arrays, SLOTS made shard-local
+  (`_to_local`) unless `logical_slots`. `run` returns one value per entry of `results`
+  (CACHE: the local cache; TOKENS, GATHERED: arrays or pytrees); the function returns them
+  laid out over the mesh (CACHE: the new buffers, as they came).
   """
   rows = storage.rows
   names = tuple(arguments)
@@ -335,7 +472,7 @@ def _per_shard(layout: ShardedLayout, storage: MLACacheConfig, run: Callable,
           REPLICATED: P(), CACHE: layout.buffer_spec, GATHERED: layout.token_spec}
 
   def body(buffers, *values):
-    local = _local_cache(layout, storage, buffers)
+    local = _local_cache(layout, storage, buffers, stacked)
     values = {
         name: _to_local(layout, x, rows) if arguments[name] == SLOTS and not logical_slots else x
         for name, x in zip(names, values)
@@ -364,8 +501,10 @@ class ShardedOp:
   Attributes:
     local: the unsharded public op (`jax_mla_cache.set_mla_kv_buffer`, ...). The sharded op
       takes its parameters (`cache` a `ShardedMLAKVCache`), carries its docstring below
-      `doc`, and calls it on every shard: `local(shard, [0,] **arrays, **static)`, with the
-      shard's one layer (`per_layer`) or all its layers as an ordinary `MLAKVCache`.
+      `doc`, and calls it on every shard: `local(shard, [layer,] **arrays, **static)`, with
+      the shard's one layer (`per_layer`, `layer` 0) or all its layers as an ordinary
+      `MLAKVCache`; on a stacked cache, the shard's `StackedMLAKVCache` of every layer and
+      (`per_layer`) `layer` the layer id as a traced int scalar.
     arguments: the array parameters, name -> SLOTS, PAGES, TOKENS or REPLICATED (module
       constants). The first one's first dimension is the batch that data_parallel splits.
       Every other parameter but `cache` is static (jit-static, hashable).
@@ -381,8 +520,10 @@ class ShardedOp:
       `arguments` in place (what a trace would lose: 64-bit host integers, a traced
       static).
     context_parallel: a replacement for `local` on context_parallel layouts, called as
-      `fn(layout, storage_config, shard, **arrays, **static)` with logical SLOTS; or a
-      string: why context_parallel is refused (NotImplementedError).
+      `fn(layout, storage_config, shard, **arrays, **static)` with logical SLOTS (a stacked
+      cache's per-layer op: also `layer_id=`, the traced layer id; `shard` is then the
+      shard's `StackedMLAKVCache`); or a string: why context_parallel is refused
+      (NotImplementedError).
   """
 
   local: Callable
@@ -449,40 +590,42 @@ def _prepare_decode(cache: ShardedMLAKVCache, arguments: dict) -> None:
       view, arguments["q"], arguments["page_table"], arguments["seq_lens"], "mla_decode")
 
 
-def _context_parallel_move(layout: ShardedLayout, storage: MLACacheConfig, local: MLAKVCache,
-                           *, tgt_loc, src_loc, implementation) -> MLAKVCache:
+def _context_parallel_move(layout: ShardedLayout, storage: MLACacheConfig,
+                           local: MLAKVCache | StackedMLAKVCache, *, tgt_loc, src_loc,
+                           implementation) -> MLAKVCache | StackedMLAKVCache:
   """Token moves with interleaved rows: pairs whose two rows share an owner move
   locally (one kernel launch); the others read their source on its owner, meet
   through one all-reduce, and are written by the target's owner. All reads
-  precede all writes (snapshot semantics, as `dispatch.move_kv_cache`)."""
+  precede all writes (snapshot semantics, as `dispatch.move_kv_cache`). A stacked shard
+  moves in every layer (`_every_layer`: one gather, all-reduce and scatter a plane)."""
   rows, world = storage.rows, layout.world
   tgt, src = tgt_loc, src_loc
   in_range = (tgt >= 0) & (tgt < rows) & (src >= 0) & (src < rows)
   same_owner = in_range & (tgt % world == src % world)
   crossing = in_range & ~same_owner
-  read = jnp.where(crossing, src, -1)
-  travelling = tuple(
-      _combine_owned(reference.gather_rows(b, _to_local(layout, read, rows)), layout.axis)
-      for b in local.flat_buffers()
-  )
+  read = _every_layer(local, _to_local(layout, jnp.where(crossing, src, -1), rows))
+  travelling = tuple(_combine_owned(reference.gather_rows(b, read), layout.axis)
+                     for b in _flat(local))
   # Ties the reads to the buffers the in-place move takes: XLA then sees the reads
   # come first and needs no copy of the buffers to keep the old rows.
-  travelling, buffers = lax.optimization_barrier((travelling, local.flat_buffers()))
-  local = local.with_flat_buffers(buffers)
+  travelling, buffers = lax.optimization_barrier((travelling, _flat(local)))
+  local = _with_flat(local, buffers)
   local = dispatch.move_kv_cache(
       local, _to_local(layout, jnp.where(same_owner, tgt, -1), rows),
       _to_local(layout, jnp.where(same_owner, src, -1), rows), implementation=implementation)
-  write = _to_local(layout, jnp.where(crossing, tgt, -1), rows)
-  return local.with_flat_buffers(tuple(
-      reference.scatter_rows(b, write, x) for b, x in zip(local.flat_buffers(), travelling)
+  write = _every_layer(local, _to_local(layout, jnp.where(crossing, tgt, -1), rows))
+  return _with_flat(local, tuple(
+      reference.scatter_rows(b, write, x) for b, x in zip(_flat(local), travelling)
   ))
 
 
 def _context_parallel_decode(layout: ShardedLayout, storage: MLACacheConfig,
-                             local: MLAKVCache, *, q, page_table, seq_lens, sm_scale,
-                             implementation) -> tuple[jax.Array, jax.Array]:
+                             local: MLAKVCache | StackedMLAKVCache, *, q, page_table, seq_lens,
+                             sm_scale, implementation, layer_id: Any = 0
+                             ) -> tuple[jax.Array, jax.Array]:
   """mla_decode with interleaved rows: every rank attends the positions it holds, then the
   ranks' partial results are merged by their lse (two all-reduces of (B, s_q, H, R)).
+  `local` is the layer alone (`layer_id` 0) or a stacked shard (`layer_id` traced).
 
   Position p of a sequence lives on rank p % world at local position p // world, in the
   same page-table column (local page size page_size / world), so rank k's part of query j
@@ -497,11 +640,11 @@ def _context_parallel_decode(layout: ShardedLayout, storage: MLACacheConfig,
   last = seq_lens[:, None] - s_q + jnp.arange(s_q, dtype=jnp.int32)[None, :] - rank
   visible = jnp.where(last >= 0, last // world + 1, 0)                         # (B, s_q)
   if s_q == 1:
-    out, lse = attention.mla_decode(local, 0, q, page_table, visible[:, 0], sm_scale=sm_scale,
-                                    implementation=implementation)
+    out, lse = attention.mla_decode(local, layer_id, q, page_table, visible[:, 0],
+                                    sm_scale=sm_scale, implementation=implementation)
   else:
     out, lse = attention.mla_decode(
-        local, 0, q.reshape(B * s_q, 1, H, W), jnp.repeat(page_table, s_q, axis=0),
+        local, layer_id, q.reshape(B * s_q, 1, H, W), jnp.repeat(page_table, s_q, axis=0),
         visible.reshape(B * s_q), sm_scale=sm_scale, implementation=implementation)
     out, lse = out.reshape(B, s_q, H, R), lse.reshape(B, s_q, H)
   top = lax.pmax(lse, layout.axis)
@@ -569,9 +712,15 @@ OPS: dict[str, ShardedOp] = {op.name: op for op in (
 
 def _program(op: ShardedOp, cache: ShardedMLAKVCache, arrays: dict[str, Any],
              static: tuple[tuple[str, Any], ...]):
-  """The jitted body of `op` on a non-pipeline cache (a pipeline stage view included)."""
+  """The jitted body of `op` on a non-pipeline cache (a pipeline stage view included).
+
+  `arrays`: the op's array arguments by name; for a per-layer op on a stacked cache also
+  `layer_id`, an int scalar (traced here), which enters the shard_map replicated. `static`:
+  the other arguments (an unstacked cache's per-layer op: `layer_id`, a Python int)."""
   layout, storage = cache.layout, cache.cache
+  stacked = cache.stacked
   static = dict(static)
+  layer_arg = arrays.get("layer_id")
   # In the parameters' order (jit hands a dict back with its keys sorted).
   arrays = {name: arrays[name] for name in op.arguments}
   if op.check is not None:
@@ -581,10 +730,14 @@ def _program(op: ShardedOp, cache: ShardedMLAKVCache, arrays: dict[str, Any],
   _check_tokens(layout, tokens, batch, op.name)
   if tokens == 0 and op.results == (CACHE,):
     return cache
-  layer = ()
-  if op.per_layer:
+  arguments = dict(op.arguments)
+  if op.per_layer and stacked:
+    # Every layer's rows are in the shard's stacked buffers: the layer id travels in.
+    arguments["layer_id"] = REPLICATED
+    arrays["layer_id"] = layer_arg
+    buffers = storage.buffers
+  elif op.per_layer:
     layer_id = static.pop("layer_id")
-    layer = (0,)
     buffers = (storage.layer(layer_id),)
   else:
     buffers = storage.buffers
@@ -595,12 +748,15 @@ def _program(op: ShardedOp, cache: ShardedMLAKVCache, arrays: dict[str, Any],
       return out if len(op.results) > 1 else (out,)
   else:
     def run(local, **values):
+      layer = ()
+      if op.per_layer:
+        layer = (values.pop("layer_id"),) if stacked else (0,)
       out = op.local(local, *layer, **values, **static)
       return out if len(op.results) > 1 else (out,)
-  outs = _per_shard(layout, storage.config, run, op.arguments, op.results,
-                    logical_slots=override)(buffers, *(arrays[n] for n in op.arguments))
+  outs = _per_shard(layout, storage.config, run, arguments, op.results, logical_slots=override,
+                    stacked=stacked)(buffers, *(arrays[n] for n in arguments))
   results = tuple(
-      cache.replace(storage.replace_layer(layer_id, out[0]) if op.per_layer
+      cache.replace(storage.replace_layer(layer_id, out[0]) if op.per_layer and not stacked
                     else dataclasses.replace(storage, buffers=out))
       if kind == CACHE else out
       for kind, out in zip(op.results, outs)
@@ -625,8 +781,12 @@ def _docstring(op: ShardedOp) -> str:
   """The generated docstring: `op.doc`, how the arguments spread, the unsharded op's own."""
   kinds = {kind: ", ".join(n for n, k in op.arguments.items() if k == kind)
            for kind in (SLOTS, PAGES, TOKENS, REPLICATED)}
-  layers = ("one layer, `layer_id` (a pipeline cache: on that layer's stage)" if op.per_layer
-            else "every layer (a pipeline cache: every stage in turn)")
+  layers = ("one layer, `layer_id` (a pipeline cache: on that layer's stage; a stacked cache: "
+            "a static int or a traced integer scalar, e.g. under `jax.lax.scan`, a traced one "
+            "outside [0, layer_num) writing nothing and reading zeros / lse -inf)"
+            if op.per_layer else
+            "every layer (a pipeline cache: every stage in turn; a stacked cache: every layer "
+            "of each shard's stacked cache)")
   spread = (
       f"Every shard runs the unsharded op on its rows of {layers}. Split along the axis "
       "(data_parallel) or replicated (the other layouts): "
@@ -647,10 +807,12 @@ def sharded_op(op: ShardedOp) -> Callable:
   """The public function of `op`: the unsharded op's parameters and a generated docstring.
 
   It checks and normalizes the arguments (`dispatch.bind_arguments`: a static int
-  layer_id, 64-bit host indices narrowed without wrapping, the implementation order; then
-  `op.prepare`) and runs the jitted `_program` (the cache donated where the op returns
-  it); a pipeline cache runs it on the stage of `layer_id` (`op.per_layer`) or on every
-  stage.
+  layer_id -- or, on a stacked cache, also a traced integer scalar --, 64-bit host indices
+  narrowed without wrapping, the implementation order; then `op.prepare`) and runs the
+  jitted `_program` (the cache donated where the op returns it); a pipeline cache runs it
+  on the stage of `layer_id` (`op.per_layer`) or on every stage. A stacked cache's
+  per-layer op passes `layer_id` to `_program` as an int32 array (a static int) or as it
+  is (traced), not as a static: every layer shares one trace, and a scan's layer id works.
   """
   name, signature = op.name, _sharded_signature(op.local)
   jitted = jax.jit(functools.partial(_program, op), static_argnames=("static",),
@@ -671,9 +833,15 @@ def sharded_op(op: ShardedOp) -> Callable:
 
     def run(target, arrays):
       """The jitted program on `target`; a per-layer op on the layer alone, put back after
-      (`dispatch.on_layer`, as the unsharded ops do: every layer shares one trace)."""
+      (`dispatch.on_layer`, as the unsharded ops do: every layer shares one trace), or on a
+      stacked cache with the layer id an array argument."""
       if not op.per_layer:
         return jitted(target, arrays, tuple(arguments.items()))
+      if target.stacked:
+        layer_id = arguments.pop("layer_id")
+        if not isinstance(layer_id, jax.core.Tracer):
+          layer_id = np.int32(layer_id)              # (checked in [0, layer_num))
+        return jitted(target, {**arrays, "layer_id": layer_id}, tuple(arguments.items()))
 
       def program(view, layer_id):
         return jitted(view, arrays, tuple({**arguments, "layer_id": layer_id}.items()))
@@ -724,11 +892,12 @@ mla_decode = sharded_op(OPS["mla_decode"])
 # programs are the same `_per_shard` as the table's.
 @functools.lru_cache(maxsize=64)
 def _gather_to_host(layout: ShardedLayout, storage: MLACacheConfig, chunk_size: int,
-                    memory_kind: str | None) -> Callable:
+                    memory_kind: str | None, stacked: bool) -> Callable:
   def run(local, token_indices):
     return (offload.gather_chunks(local, token_indices, chunk_size=chunk_size),)
 
-  gather = _per_shard(layout, storage, run, dict(token_indices=SLOTS), (GATHERED,))
+  gather = _per_shard(layout, storage, run, dict(token_indices=SLOTS), (GATHERED,),
+                      stacked=stacked)
   out = NamedSharding(layout.mesh, layout.token_spec, memory_kind=memory_kind)
   return jax.jit(lambda buffers, idx: gather(buffers, idx)[0], out_shardings=out)
 
@@ -747,6 +916,9 @@ def get_cpu_copy(
   axis like the batch (each rank's `chunk_size`-token chunks side by side);
   replicated and context_parallel, replicated (the latter after one all-reduce,
   so it can be loaded into rows of any owner); pipeline, each layer on its stage.
+  The copy is nested (`copy[layer][chunk][plane]`, (n, 1, width) each; `HostCopy`), for a
+  stacked cache too: the same copy as the unstacked cache of the same layout and contents
+  (either loads into either).
   """
   op = "get_cpu_copy"
   _check_sharded(cache, op)
@@ -763,11 +935,11 @@ def get_cpu_copy(
                             token_count=tokens, chunk_size=chunk_size)
   _check_tokens(layout, tokens, "token_indices", op)
   if tokens == 0:
-    return offload.HostCopy(chunks=tuple(() for _ in storage.buffers), token_count=0,
-                            chunk_size=chunk_size)
+    return offload.HostCopy(chunks=tuple(() for _ in range(storage.config.layer_num)),
+                            token_count=0, chunk_size=chunk_size)
   if memory_kind == "auto":
     memory_kind = offload.host_memory_kind(layout.mesh.devices.flat[0])
-  gather = _gather_to_host(layout, storage.config, chunk_size, memory_kind)
+  gather = _gather_to_host(layout, storage.config, chunk_size, memory_kind, cache.stacked)
   return offload.HostCopy(chunks=gather(storage.buffers, idx), token_count=tokens,
                           chunk_size=chunk_size)
 
@@ -781,7 +953,7 @@ def _load_chunks(cache: ShardedMLAKVCache, chunks, idx: jax.Array) -> ShardedMLA
     return (offload.scatter_chunks(local, chunks, token_indices),)
 
   scatter = _per_shard(layout, storage.config, run, dict(chunks=TOKENS, token_indices=SLOTS),
-                       (CACHE,))
+                       (CACHE,), stacked=cache.stacked)
   (new,) = scatter(storage.buffers, chunks, idx)
   return cache.replace(dataclasses.replace(storage, buffers=new))
 
@@ -792,7 +964,8 @@ def load_cpu_copy(
     token_indices: Sequence[int] | jax.Array,
 ) -> ShardedMLAKVCache:
   """`offload.load_cpu_copy` on a sharded cache (donates `cache`): writes a copy
-  from this module's `get_cpu_copy` (same layout) into rows `token_indices`."""
+  from this module's `get_cpu_copy` (same layout; of a stacked or an unstacked cache) into
+  rows `token_indices` (T,), rows as the layout defines them, of every layer."""
   op = "load_cpu_copy"
   _check_sharded(cache, op)
   idx = offload.check_token_indices(token_indices, "token_indices", op)

@@ -92,8 +92,10 @@ class StackedMLAKVCache:
   iteration (a layout change), a flat one is updated in place.
 
   The host tier (`get_cpu_copy` / `load_cpu_copy`) takes it too (the same `HostCopy` as
-  the contents unstacked). Not supported on this state (convert with `unstack` /
-  `from_layers`, which copy): `jax_mla_cache.sharding` and `MLATokenToKVPool`.
+  the contents unstacked). `jax_mla_cache.sharding.init_sharded_cache(config, layout,
+  stacked=True)` shards one (data_parallel, replicated, context_parallel: every rank's shard
+  is its own stacked cache). Not supported on this state (convert with `unstack` /
+  `from_layers`, which copy): `MLATokenToKVPool`.
   """
 
   buffers: LayerBuffers
@@ -190,13 +192,16 @@ def init_cache(
     sharding: optional sharding for every buffer (see `jax_mla_cache.sharding`
       for the supported layouts); exclusive with `device`.
     stacked: a `StackedMLAKVCache` (every layer in one buffer per plane, for layers run
-      under `jax.lax.scan`) instead of an `MLAKVCache`; not with `sharding`.
+      under `jax.lax.scan`) instead of an `MLAKVCache`; not with `sharding` (a sharded
+      stacked cache: `jax_mla_cache.sharding.init_sharded_cache(config, layout,
+      stacked=True)`).
   """
   if device is not None and sharding is not None:
     raise ValueError("init_cache: pass device or sharding, not both")
   if stacked and sharding is not None:
-    raise ValueError("init_cache: a stacked cache is not shardable (jax_mla_cache.sharding "
-                     "takes an MLAKVCache)")
+    raise ValueError("init_cache: a stacked cache is not shardable here; use "
+                     "jax_mla_cache.sharding.init_sharded_cache(config, layout, stacked=True), "
+                     "whose rank-major layout the sharded ops take")
   placement = sharding if sharding is not None else device
 
   def zeros(shape, dtype):
