@@ -20,7 +20,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-OPS = ("set_mla", "set_mla_pth", "get_mla", "move", "move_pth", "move_pages",
+OPS = ("set_mla", "set_mla_pth", "get_mla", "move", "move_pth", "move_pages", "move_stacked",
        "offload_d2h", "offload_h2d")
 """The benchmark's ops, in plotting order."""
 
@@ -31,6 +31,7 @@ OP_TITLES = {
     "move": "move_kv_cache, all layers, bf16",
     "move_pth": "move_kv_cache, all layers, per_token_head",
     "move_pages": "move_kv_pages, all layers",
+    "move_stacked": "move_kv_cache, all layers, bf16, StackedMLAKVCache",
     "offload_d2h": "get_cpu_copy (device -> host)",
     "offload_h2d": "load_cpu_copy (host -> device)",
     "rope_set": "rope_set_mla_kv_buffer (RoPE + q_out + write), bf16",

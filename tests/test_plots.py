@@ -24,7 +24,7 @@ def test_plot_results_panels_and_file(tmp_path):
     labels = [line.get_label() for line in ax.get_lines()]
     assert "pallas" in labels and "xla" in labels
   ceilings = [ax.get_lines()[-1].get_ydata()[0] for ax in visible]
-  assert ceilings[:6] == [4000.0] * 6 and ceilings[6:] == [50.0, 50.0]
+  assert ceilings[:7] == [4000.0] * 7 and ceilings[7:] == [50.0, 50.0]
   assert path.stat().st_size > 0
 
 
