@@ -306,7 +306,8 @@ def check_layer_id(cache: MLAKVCache | StackedMLAKVCache, layer_id: Any, op: str
         f"{op}: layer_id must be a static Python int (each layer is its own buffer), "
         f"got a traced value {layer_id.aval.str_short()} (pass the layer number as a "
         "Python int, not as an argument of a jitted function; a StackedMLAKVCache, "
-        "init_cache(..., stacked=True), takes a traced one)"
+        "init_cache(..., stacked=True), or a sharded one, "
+        "sharding.init_sharded_cache(..., stacked=True), takes a traced one)"
     )
   try:
     layer_id = operator.index(layer_id)
