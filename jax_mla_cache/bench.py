@@ -225,11 +225,12 @@ def bench_rope_set(cfg: mc.MLACacheConfig, tokens_list, heads_list, impls, iters
 
 def bench_moves(cfg: mc.MLACacheConfig, tokens_list, pages_list, impls, iters, report) -> None:
   """move / move_pth over every layer (one call), whole-page moves, and move_stacked: the
-  plain token moves on a `StackedMLAKVCache`."""
+  plain token moves on a `StackedMLAKVCache` (one buffer of layer_num x rows rows, so one
+  kernel moves layer_num x T pairs)."""
   rng = np.random.default_rng(1)
   quant_cfg = cfg.replace(dtype=jnp.float8_e4m3fn, quant_method="per_token_head")
-  for op, c in (("move", cfg), ("move_pth", quant_cfg)):
-    cache = mc.init_cache(c)
+  for op, c in (("move", cfg), ("move_pth", quant_cfg), ("move_stacked", cfg)):
+    cache = mc.init_cache(c, stacked=op == "move_stacked")
     for tokens in tokens_list:
       perm = rng.permutation(c.rows)[: 2 * tokens].astype(np.int32)
       tgt, src = jnp.asarray(perm[:tokens]), jnp.asarray(perm[tokens:])
@@ -253,20 +254,6 @@ def bench_moves(cfg: mc.MLACacheConfig, tokens_list, pages_list, impls, iters, r
           nbytes = 2 * pages * c.page_size * c.row_bytes * c.layer_num
           report(Record("move_pages", impl, pages, c.layer_num, us, nbytes / us / 1e3), method, bd)
     del cache
-  # The same token moves on a StackedMLAKVCache (layers under lax.scan): one buffer of
-  # layer_num x rows rows, so one kernel moves layer_num x T pairs.
-  cache = mc.init_cache(cfg, stacked=True)
-  for tokens in tokens_list:
-    perm = rng.permutation(cfg.rows)[: 2 * tokens].astype(np.int32)
-    tgt, src = jnp.asarray(perm[:tokens]), jnp.asarray(perm[tokens:])
-    for impl in impls:
-      f = jax.jit(lambda s, t, r, impl=impl: mc.move_kv_cache(s, t, r, implementation=impl),
-                  donate_argnums=0)
-      us, (cache, *_), method = time_per_call(lambda st: (f(*st), *st[1:]),
-                                              (cache, tgt, src), iters, bd := {})
-      report(Record("move_stacked", impl, tokens, cfg.layer_num, us,
-                    2 * tokens * cfg.row_bytes * cfg.layer_num / us / 1e3), method, bd)
-  del cache
 
 
 DECODE_SHAPES = (
