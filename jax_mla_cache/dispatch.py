@@ -20,6 +20,7 @@ inside a user's jitted step they inline (donate the cache at *that* boundary).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import operator
@@ -213,6 +214,8 @@ def _public(jitted: Callable) -> Callable:
   outside it. `op.jitted` still takes a whole cache and its layer_id."""
   name = jitted.__name__.lstrip("_")
   signature = inspect.signature(jitted)
+  signature = signature.replace(parameters=[     # (private parameters: `_on_every_layer`'s)
+      p for p in signature.parameters.values() if not p.name.startswith("_")])
   per_layer = "layer_id" in signature.parameters
   assert not per_layer or list(signature.parameters)[:2] == ["cache", "layer_id"], name
 
@@ -227,6 +230,7 @@ def _public(jitted: Callable) -> Callable:
     return on_layer(jitted, cache, bound.args[1], *bound.args[2:], **bound.kwargs)
 
   op.__name__ = op.__qualname__ = name
+  op.__signature__ = signature
   op.jitted = jitted
   return op
 
@@ -265,7 +269,8 @@ def _on_every_layer(jitted: Callable, cache: StackedMLAKVCache,
   arguments[names[0]] = cache.every_layer(tgt, per_layer)
   arguments[names[1]] = cache.every_layer(src, per_layer)
   arguments["cache"] = cache.layer_view()
-  return cache.with_layer(None, jitted(*bound.args, **bound.kwargs))
+  # Every layer moves the same pairs: the kernels' writer counts need one layer's units.
+  return cache.with_layer(None, jitted(*bound.args, **bound.kwargs, _writer_period=per_layer))
 
 
 def with_layer_results(cache: Any, layer_id: int, out: Any) -> Any:
@@ -518,13 +523,15 @@ def check_pair(tgt: Any, src: Any, op: str, names=("tgt_loc", "src_loc")):
   return tgt, src
 
 
-@functools.partial(jax.jit, static_argnames=("implementation",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("implementation", "_writer_period"),
+                   donate_argnames=("cache",))
 def _move_kv_cache(
     cache: MLAKVCache,
     tgt_loc: jax.Array,
     src_loc: jax.Array,
     *,
     implementation: Implementation = None,
+    _writer_period: int | None = None,
 ) -> MLAKVCache:
   """Move token rows in every layer and buffer: `rows[tgt[i]] = old_rows[src[i]]`.
 
@@ -538,19 +545,21 @@ def _move_kv_cache(
     return cache
 
   def move(backend, buffers, tgt, src):
-    return tuple(backend.move_rows(buffers, tgt, src))
+    return tuple(backend.move_rows(buffers, tgt, src, **_move_tiling(backend, _writer_period)))
 
   moved = _run(op, implementation_order(implementation), move, cache.flat_buffers(), tgt, src)
   return cache.with_flat_buffers(moved)
 
 
-@functools.partial(jax.jit, static_argnames=("implementation",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("implementation", "_writer_period"),
+                   donate_argnames=("cache",))
 def _move_kv_pages(
     cache: MLAKVCache,
     tgt_pages: jax.Array,
     src_pages: jax.Array,
     *,
     implementation: Implementation = None,
+    _writer_period: int | None = None,
 ) -> MLAKVCache:
   """Copy whole pages (`page_size` rows) in every layer and buffer.
 
@@ -565,10 +574,19 @@ def _move_kv_pages(
   page_size = cache.config.page_size
 
   def move(backend, buffers, tgt, src):
-    return tuple(backend.move_pages(buffers, tgt, src, page_size=page_size))
+    return tuple(backend.move_pages(buffers, tgt, src, page_size=page_size,
+                                    **_move_tiling(backend, _writer_period)))
 
   moved = _run(op, implementation_order(implementation), move, cache.flat_buffers(), tgt, src)
   return cache.with_flat_buffers(moved)
+
+
+def _move_tiling(backend: Any, writer_period: int | None) -> dict:
+  """The kernels' `tiling` keyword for a move whose pairs repeat every `writer_period` units
+  (`_on_every_layer`: a stacked cache's layers); nothing for XLA or an ordinary move."""
+  if writer_period is None or backend is reference:
+    return {}
+  return dict(tiling=dataclasses.replace(backend.MoveTiling(), writer_period=writer_period))
 
 
 set_mla_kv_buffer = _public(_set_mla_kv_buffer)

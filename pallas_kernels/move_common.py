@@ -62,6 +62,10 @@ class MoveTiling:
       compare (one fused XLA kernel) instead of writer counts.
     two_pass_smem_bytes: shared memory of one two-pass program (its items of one buffer).
     max_items_per_program: cap on the items one two-pass program moves.
+    writer_period: the pairs repeat every this many units (a `StackedMLAKVCache` move: the
+      same pairs in every layer, offset by the layer's rows or pages): the writer counts of
+      `endangered` are kept per unit modulo it (exact for such moves, conservative for any
+      other), so they cost one layer's units, not the whole stacked buffer's. None: per unit.
     two_pass_max_buffers: two-pass launches each move at most this many buffers (equal
       batches share one kernel: its lowering time grows faster than linearly with the
       buffers). 32: 61 plain layers in 2 batches, 229.8 us at T=4096 on the H200 against
@@ -88,6 +92,7 @@ class MoveTiling:
   two_pass_smem_bytes: int = 64 * 1024
   max_items_per_program: int = 32
   two_pass_max_buffers: int = 32
+  writer_period: int | None = None
 
   def __post_init__(self):
     if self.path not in PATHS:
@@ -151,23 +156,30 @@ def sanitize(tgt, src, limit: int):
   return jnp.where(keep, tgt, -1), jnp.where(keep, src, 0)
 
 
-def endangered(tgt, src, units: int, small_t_compare: int = 0):
+def endangered(tgt, src, units: int, small_t_compare: int = 0, period: int | None = None):
   """``save[j]``: some other kept pair writes unit ``src[j]``, so it must be read first.
 
   ``tgt``/``src`` are sanitized (skipped pairs: ``tgt = -1``, ``src = 0``); ``units`` is the
   number of rows (or pages). Up to ``small_t_compare`` pairs an all-pairs compare (one
   fused XLA reduction); beyond, a count of writers per unit (a scatter-add into ``units``
   int32 counters, then a gather): O(T) work, where a sort and binary searches cost ~100 us
-  at T=4096 on the H200.
+  at T=4096 on the H200. With ``period`` (< ``units``), the counters are per unit modulo
+  ``period`` (``MoveTiling.writer_period``): a unit's writers are all counted at its residue,
+  so nothing endangered is missed; pairs of other periods may add false alarms (a save that
+  was not needed), none when every period holds the same pairs.
   """
   n = tgt.shape[0]
   if n <= small_t_compare:
     other = jnp.arange(n)[:, None] != jnp.arange(n)[None, :]
     hit = jnp.any((src[:, None] == tgt[None, :]) & other, axis=1)
     return (hit & (tgt >= 0)).astype(jnp.int32)
-  writers = jnp.zeros((units + 1,), jnp.int32).at[jnp.where(tgt >= 0, tgt, units)].add(
-      1, mode="promise_in_bounds")
-  others = writers[src] - (tgt == src).astype(jnp.int32)
+  if period is not None and 0 < period < units:
+    units, tgt_unit, src_unit = period, jnp.where(tgt >= 0, tgt % period, -1), src % period
+  else:
+    tgt_unit, src_unit = tgt, src
+  writers = jnp.zeros((units + 1,), jnp.int32).at[
+      jnp.where(tgt_unit >= 0, tgt_unit, units)].add(1, mode="promise_in_bounds")
+  others = writers[src_unit] - (tgt == src).astype(jnp.int32)
   return ((others > 0) & (tgt >= 0)).astype(jnp.int32)
 
 

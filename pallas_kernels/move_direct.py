@@ -137,7 +137,8 @@ def move(buffers, tgt, src, dplan: DirectPlan, *, pdl: bool, tiling: mc.MoveTili
   args = (tgt, src)
   if dplan.in_rounds:  # rounds need to know whether any source is some other pair's target
     tgt, src = mc.sanitize(tgt, src, dplan.units)
-    save = mc.endangered(tgt, src, dplan.units, tiling.small_t_compare)
+    save = mc.endangered(tgt, src, dplan.units, tiling.small_t_compare,
+                         tiling.writer_period)
     args = (tgt, src, jnp.max(save, keepdims=True))
 
   # One jitted CUDA branch: the dispatcher's shape evaluation and its branch share a trace.

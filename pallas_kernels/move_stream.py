@@ -90,7 +90,8 @@ def move(buffers, tgt, src, splan: StreamPlan, *, pdl: bool, tiling: mc.MoveTili
   rows = buffers[0].shape[0]
   units = rows // (splan.item_rows * splan.blocks)
   tgt, src = mc.sanitize(tgt, src, units)
-  save = mc.endangered(tgt, src, units, tiling.small_t_compare)
+  save = mc.endangered(tgt, src, units, tiling.small_t_compare,
+                         tiling.writer_period)
   if splan.blocks > 1:
     tgt, src = mc.expand_units(tgt, src, splan.blocks)
     save = jnp.repeat(save, splan.blocks)

@@ -67,7 +67,8 @@ def move(buffers, tgt, src, tplan: TwoPassPlan, *, unit_rows: int, pdl: bool,
   item_rows, per_program = tplan.item_rows, tplan.per_program
   blocks = unit_rows // item_rows
   # Per item (unit j, block s): first source row, first target row (-1: skip), saved?
-  save = mc.endangered(tgt, src, units, tiling.small_t_compare)
+  save = mc.endangered(tgt, src, units, tiling.small_t_compare,
+                         tiling.writer_period)
   item_tgt, item_src = mc.expand_units(tgt, src, blocks)
   item_tgt = jnp.where(item_tgt >= 0, item_tgt * item_rows, -1)
   item_src = item_src * item_rows

@@ -340,3 +340,58 @@ def test_host_tier_round_trip_matches_unstacked(mode, rng):
   stacked = mc.StackedMLAKVCache.from_layers(want)   # (a copy: `want` stays usable)
   leaves_equal(mc.load_cpu_copy(stacked, want_copy, back).unstack(),
                mc.load_cpu_copy(want, want_copy, back))
+
+
+def test_endangered_per_period_equals_each_layers_flags(rng):
+  """`move_common.endangered` with `period`: for pairs repeated in every layer (a stacked
+  move), the flags are each layer's own, tiled; for other pairs they never miss one."""
+  from pallas_kernels import move_common
+  rows, layers, T = 97, 4, 300
+  tgt = rng.integers(-3, rows + 3, T).astype(np.int32)
+  src = rng.integers(0, rows, T).astype(np.int32)
+  tgt, src = move_common.sanitize(jnp.asarray(tgt), jnp.asarray(src), rows)
+  one = np.asarray(move_common.endangered(tgt, src, rows))
+  assert one.any() and not one.all()
+  cache = mc.init_cache(mc.SMALL.replace(layer_num=layers, size=rows - 1, page_size=1),
+                        stacked=True)
+  assert cache.config.rows == rows
+  all_tgt, all_src = cache.every_layer(tgt, rows), cache.every_layer(src, rows)
+  all_tgt, all_src = move_common.sanitize(all_tgt, all_src, layers * rows)
+  exact = np.asarray(move_common.endangered(all_tgt, all_src, layers * rows))
+  folded = np.asarray(move_common.endangered(all_tgt, all_src, layers * rows, period=rows))
+  np.testing.assert_array_equal(exact, np.tile(one, layers))
+  np.testing.assert_array_equal(folded, exact)
+  # Arbitrary pairs: the folded flags include every exact one (a save too many is harmless).
+  t = jnp.asarray(rng.integers(-1, layers * rows, 500), jnp.int32)
+  s = jnp.asarray(rng.integers(0, layers * rows, 500), jnp.int32)
+  t, s = move_common.sanitize(t, s, layers * rows)
+  exact = np.asarray(move_common.endangered(t, s, layers * rows))
+  folded = np.asarray(move_common.endangered(t, s, layers * rows, period=rows))
+  assert exact.any() and np.all(folded >= exact)
+
+
+@pytest.mark.parametrize("op", ["move_kv_cache", "move_kv_pages"])
+def test_many_pair_moves_equal_unstacked(op, rng):
+  """Moves of more than 1024 pairs over the stacked buffers (writer counts per layer, not per
+  stacked row: `MoveTiling.writer_period`), overlapping sets, hostile pairs: the kernels
+  (interpreted) give what they give on the unstacked cache, and what XLA gives."""
+  cfg = CONFIGS["bf16"].replace(layer_num=4, page_size=1 if op == "move_kv_cache" else 8)
+  units = cfg.rows // cfg.page_size
+  T = 300 if op == "move_kv_cache" else 270
+  tgt = rng.permutation(units)[:T].astype(np.int64)
+  src = rng.permutation(units)[:T].astype(np.int64)   # overlaps tgt: sources endangered
+  tgt[:3], src[3:5] = (-1, units, 2**32 + 1), (units + 2, -5)
+  base = mc.init_cache(cfg)
+  for layer in range(cfg.layer_num):
+    base = mc.set_mla_kv_buffer(base, layer, np.arange(cfg.rows), *rows_input(rng, cfg, cfg.rows))
+  move = getattr(mc, op)
+  stacked = move(mc.StackedMLAKVCache.from_layers(base), tgt, src, implementation="pallas")
+  want = move(jax.tree.map(jnp.copy, base), tgt, src, implementation="xla")
+  leaves_equal(stacked.unstack().buffers, want.buffers)
+  leaves_equal(move(base, tgt, src, implementation="pallas").buffers, want.buffers)
+
+
+def test_moves_keep_their_public_signature():
+  import inspect
+  for op in (mc.move_kv_cache, mc.move_kv_pages):
+    assert not [p for p in inspect.signature(op).parameters if p.startswith("_")]
