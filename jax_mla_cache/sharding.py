@@ -89,7 +89,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax_mla_cache import attention, dispatch, offload, reference, rope_write
 from jax_mla_cache.config import MLACacheConfig
 from jax_mla_cache.dispatch import Implementation  # noqa: F401 (the generated ops' annotations)
-from jax_mla_cache.state import MLAKVCache, StackedMLAKVCache, init_cache
+from jax_mla_cache.state import MLAKVCache, StackedMLAKVCache, init_cache, zeros_cache
 from pallas_kernels.mla_decode import finish_lse_merge
 
 LayoutKind = Literal["data_parallel", "pipeline", "replicated", "context_parallel"]
@@ -302,13 +302,8 @@ def init_sharded_cache(config: MLACacheConfig, layout: ShardedLayout, *,
   storage = layout.storage_config(config)
   if stacked:
     _check_stackable(layout, "init_sharded_cache")
-    sharding = layout.buffer_sharding(0, storage.layer_num)
-    zeros = lambda shape, dtype: jax.jit(lambda: jnp.zeros(shape, dtype),
-                                         out_shardings=sharding)()
-    cache = StackedMLAKVCache(
-        buffers=tuple(zeros((storage.layer_num * shape[0], *shape[1:]), dtype)
-                      for shape, dtype in storage.buffer_shapes()),
-        config=storage)
+    # (Zeros: the rank-major order needs no placement of its own.)
+    cache = zeros_cache(storage, layout.buffer_sharding(0, storage.layer_num), stacked=True)
     return ShardedMLAKVCache(cache=cache, layout=layout)
   if layout.kind == "pipeline":
     one_layer = storage.replace(layer_num=1)
@@ -384,21 +379,8 @@ def _local_cache(layout: ShardedLayout, storage: MLACacheConfig, buffers,
   return MLAKVCache(buffers=tuple(buffers), config=config)
 
 
-def _flat(local: MLAKVCache | StackedMLAKVCache) -> tuple[jax.Array, ...]:
-  """Every buffer of a shard's cache: an `MLAKVCache`'s layer by layer, a stacked one's
-  planes (each holding every layer)."""
-  return tuple(local.buffers) if isinstance(local, StackedMLAKVCache) else local.flat_buffers()
-
-
-def _with_flat(local: MLAKVCache | StackedMLAKVCache, flat) -> MLAKVCache | StackedMLAKVCache:
-  """Inverse of `_flat`."""
-  if isinstance(local, StackedMLAKVCache):
-    return dataclasses.replace(local, buffers=tuple(flat))
-  return local.with_flat_buffers(tuple(flat))
-
-
 def _every_layer(local: MLAKVCache | StackedMLAKVCache, loc: jax.Array) -> jax.Array:
-  """Shard-local rows `loc` (T,) as the index of every buffer of `_flat(local)`: `loc`
+  """Shard-local rows `loc` (T,) as the index of every buffer of `local.flat_buffers()`: `loc`
   itself (each buffer is one layer's), or for a stacked cache the rows of every layer,
   (layer_num * T,) layer by layer (`StackedMLAKVCache.every_layer`; -1 outside)."""
   if isinstance(local, StackedMLAKVCache):
@@ -605,17 +587,17 @@ def _context_parallel_move(layout: ShardedLayout, storage: MLACacheConfig,
   crossing = in_range & ~same_owner
   read = _every_layer(local, _to_local(layout, jnp.where(crossing, src, -1), rows))
   travelling = tuple(_combine_owned(reference.gather_rows(b, read), layout.axis)
-                     for b in _flat(local))
+                     for b in local.flat_buffers())
   # Ties the reads to the buffers the in-place move takes: XLA then sees the reads
   # come first and needs no copy of the buffers to keep the old rows.
-  travelling, buffers = lax.optimization_barrier((travelling, _flat(local)))
-  local = _with_flat(local, buffers)
+  travelling, buffers = lax.optimization_barrier((travelling, local.flat_buffers()))
+  local = local.with_flat_buffers(buffers)
   local = dispatch.move_kv_cache(
       local, _to_local(layout, jnp.where(same_owner, tgt, -1), rows),
       _to_local(layout, jnp.where(same_owner, src, -1), rows), implementation=implementation)
   write = _every_layer(local, _to_local(layout, jnp.where(crossing, tgt, -1), rows))
-  return _with_flat(local, tuple(
-      reference.scatter_rows(b, write, x) for b, x in zip(_flat(local), travelling)
+  return local.with_flat_buffers(tuple(
+      reference.scatter_rows(b, write, x) for b, x in zip(local.flat_buffers(), travelling)
   ))
 
 

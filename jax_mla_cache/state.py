@@ -143,6 +143,14 @@ class StackedMLAKVCache:
     del layer_id
     return dataclasses.replace(self, buffers=tuple(view.buffers[0]))
 
+  def flat_buffers(self) -> tuple[jax.Array, ...]:
+    """All buffers: the planes, each holding every layer (`MLAKVCache.flat_buffers`' twin)."""
+    return tuple(self.buffers)
+
+  def with_flat_buffers(self, flat: tuple[jax.Array, ...]) -> "StackedMLAKVCache":
+    """Inverse of `flat_buffers`."""
+    return dataclasses.replace(self, buffers=tuple(flat))
+
   def layer_rows(self, layer_id: Any, loc: jax.Array) -> jax.Array:
     """Slots `loc` (int32 (T,)) of layer `layer_id` (an int or an integer scalar, traced or
     not) as rows of the stacked buffers: -1 (skipped by every op) where the slot is outside
@@ -202,20 +210,32 @@ def init_cache(
     raise ValueError("init_cache: a stacked cache is not shardable here; use "
                      "jax_mla_cache.sharding.init_sharded_cache(config, layout, stacked=True), "
                      "whose rank-major layout the sharded ops take")
-  placement = sharding if sharding is not None else device
+  return zeros_cache(config, sharding if sharding is not None else device, stacked=stacked)
+
+
+def zeros_cache(config: MLACacheConfig, placement: Any = None, *, stacked: bool = False
+                ) -> MLAKVCache | StackedMLAKVCache:
+  """`init_cache` without its checks: zero-filled buffers on `placement` (None, a device or a
+  sharding). Also what `jax_mla_cache.sharding` builds its rank-major stacked caches with."""
 
   def zeros(shape, dtype):
     if placement is None:
       return jnp.zeros(shape, dtype)
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=_as_sharding(placement))()
 
+  return _build(config, zeros, stacked)
+
+
+def _build(config: MLACacheConfig, make: Any, stacked: bool) -> MLAKVCache | StackedMLAKVCache:
+  """A cache of `make(shape, dtype)` leaves: per layer and plane, or (`stacked`) per plane
+  holding every layer."""
   if stacked:
     return StackedMLAKVCache(
-        buffers=tuple(zeros((config.layer_num * shape[0], *shape[1:]), dtype)
+        buffers=tuple(make((config.layer_num * shape[0], *shape[1:]), dtype)
                       for shape, dtype in config.buffer_shapes()),
         config=config)
   buffers = tuple(
-      tuple(zeros(shape, dtype) for shape, dtype in config.buffer_shapes())
+      tuple(make(shape, dtype) for shape, dtype in config.buffer_shapes())
       for _ in range(config.layer_num)
   )
   return MLAKVCache(buffers=buffers, config=config)
@@ -231,13 +251,4 @@ def cache_spec(config: MLACacheConfig, *, stacked: bool = False
                ) -> MLAKVCache | StackedMLAKVCache:
   """A cache of `jax.ShapeDtypeStruct` leaves (for `jax.eval_shape`/AOT lowering); with
   `stacked`, a `StackedMLAKVCache`'s."""
-  if stacked:
-    return StackedMLAKVCache(
-        buffers=tuple(jax.ShapeDtypeStruct((config.layer_num * shape[0], *shape[1:]), dtype)
-                      for shape, dtype in config.buffer_shapes()),
-        config=config)
-  buffers = tuple(
-      tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in config.buffer_shapes())
-      for _ in range(config.layer_num)
-  )
-  return MLAKVCache(buffers=buffers, config=config)
+  return _build(config, jax.ShapeDtypeStruct, stacked)
