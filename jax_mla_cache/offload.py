@@ -109,16 +109,21 @@ def gather_chunks(cache: MLAKVCache | StackedMLAKVCache, idx: jax.Array, chunk_s
   sharded stacked cache's shards run)."""
   bounds = _chunk_bounds(idx.shape[0], chunk_size)
   if isinstance(cache, StackedMLAKVCache):
-    layers = [cache.layer_rows(l, idx) for l in range(cache.layer_num)]   # -1: zeros
     return tuple(
         tuple(tuple(reference.gather_rows(buf, rows[s:e]) for buf in cache.buffers)
               for s, e in bounds)
-        for rows in layers
+        for rows in _stacked_rows(cache, idx)
     )
   return tuple(
       tuple(tuple(reference.gather_rows(buf, idx[s:e]) for buf in layer) for s, e in bounds)
       for layer in cache.buffers
   )
+
+
+def _stacked_rows(cache: StackedMLAKVCache, idx: jax.Array) -> jax.Array:
+  """(layer_num, T) rows of the stacked buffers holding slots `idx` of every layer; -1
+  (read as zeros) where a slot is outside `[0, rows)`."""
+  return cache.every_layer(idx, cache.config.rows).reshape(cache.layer_num, -1)
 
 
 @functools.lru_cache(maxsize=64)
@@ -218,7 +223,7 @@ def _gather_stacked(cache: MLAKVCache | StackedMLAKVCache, idx: jax.Array, chunk
   `StackedMLAKVCache` gives the same arrays, each one gather of every layer's rows."""
   if isinstance(cache, StackedMLAKVCache):
     L = cache.layer_num
-    rows = cache.every_layer(idx, cache.config.rows).reshape(L, -1)   # -1: zeros
+    rows = _stacked_rows(cache, idx)
     return tuple(
         tuple(reference.gather_rows(buf, rows[:, s:e].reshape(-1)).reshape(L, e - s,
                                                                            *buf.shape[1:])

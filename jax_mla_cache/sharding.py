@@ -88,9 +88,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_mla_cache import attention, dispatch, offload, reference, rope_write
 from jax_mla_cache.config import MLACacheConfig
-from jax_mla_cache.dispatch import Implementation  # noqa: F401 (the generated ops' annotations)
+from jax_mla_cache.dispatch import Implementation
 from jax_mla_cache.state import MLAKVCache, StackedMLAKVCache, init_cache, zeros_cache
 from pallas_kernels.mla_decode import finish_lse_merge
+
+# The generated ops' signatures name `Implementation` (typing.get_type_hints resolves it here).
+_ANNOTATION_NAMES = (Implementation,)
 
 LayoutKind = Literal["data_parallel", "pipeline", "replicated", "context_parallel"]
 LAYOUT_KINDS = ("data_parallel", "pipeline", "replicated", "context_parallel")
