@@ -20,7 +20,6 @@ inside a user's jitted step they inline (donate the cache at *that* boundary).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import operator
@@ -258,19 +257,12 @@ def on_layer(core: Callable, cache: Any, layer_id: Any, *args, pages_at: int | N
 
 def _on_every_layer(jitted: Callable, cache: StackedMLAKVCache,
                     bound: inspect.BoundArguments, op: str) -> StackedMLAKVCache:
-  """A move (`move_kv_cache`, `move_kv_pages`) of a `StackedMLAKVCache`: its pairs repeated
-  for every layer, moved into the stacked buffers (`StackedMLAKVCache.every_layer`; pairs
-  outside a layer become -1, skipped), then the op on the stacked view."""
-  arguments = bound.arguments
-  names = [n for n in ("tgt_loc", "src_loc", "tgt_pages", "src_pages") if n in arguments]
-  tgt, src = check_pair(arguments[names[0]], arguments[names[1]], op, tuple(names))
-  cfg = cache.config
-  per_layer = cfg.rows if names[0] == "tgt_loc" else cfg.rows // cfg.page_size
-  arguments[names[0]] = cache.every_layer(tgt, per_layer)
-  arguments[names[1]] = cache.every_layer(src, per_layer)
-  arguments["cache"] = cache.layer_view()
-  # Every layer moves the same pairs: the kernels' writer counts need one layer's units.
-  return cache.with_layer(None, jitted(*bound.args, **bound.kwargs, _writer_period=per_layer))
+  """A move (`move_kv_cache`, `move_kv_pages`) of a `StackedMLAKVCache`: the op on the
+  stacked view with its private `_layers`, so that every layer (a block of the stacked
+  buffers) moves the pairs (the backends' `layers`)."""
+  del op  # (the core checks the pairs and names them)
+  bound.arguments["cache"] = cache.layer_view()
+  return cache.with_layer(None, jitted(*bound.args, **bound.kwargs, _layers=cache.layer_num))
 
 
 def with_layer_results(cache: Any, layer_id: int, out: Any) -> Any:
@@ -523,7 +515,7 @@ def check_pair(tgt: Any, src: Any, op: str, names=("tgt_loc", "src_loc")):
   return tgt, src
 
 
-@functools.partial(jax.jit, static_argnames=("implementation", "_writer_period"),
+@functools.partial(jax.jit, static_argnames=("implementation", "_layers"),
                    donate_argnames=("cache",))
 def _move_kv_cache(
     cache: MLAKVCache,
@@ -531,7 +523,7 @@ def _move_kv_cache(
     src_loc: jax.Array,
     *,
     implementation: Implementation = None,
-    _writer_period: int | None = None,
+    _layers: int = 1,
 ) -> MLAKVCache:
   """Move token rows in every layer and buffer: `rows[tgt[i]] = old_rows[src[i]]`.
 
@@ -545,13 +537,13 @@ def _move_kv_cache(
     return cache
 
   def move(backend, buffers, tgt, src):
-    return tuple(backend.move_rows(buffers, tgt, src, **_move_tiling(backend, _writer_period)))
+    return tuple(backend.move_rows(buffers, tgt, src, layers=_layers))
 
   moved = _run(op, implementation_order(implementation), move, cache.flat_buffers(), tgt, src)
   return cache.with_flat_buffers(moved)
 
 
-@functools.partial(jax.jit, static_argnames=("implementation", "_writer_period"),
+@functools.partial(jax.jit, static_argnames=("implementation", "_layers"),
                    donate_argnames=("cache",))
 def _move_kv_pages(
     cache: MLAKVCache,
@@ -559,7 +551,7 @@ def _move_kv_pages(
     src_pages: jax.Array,
     *,
     implementation: Implementation = None,
-    _writer_period: int | None = None,
+    _layers: int = 1,
 ) -> MLAKVCache:
   """Copy whole pages (`page_size` rows) in every layer and buffer.
 
@@ -574,19 +566,10 @@ def _move_kv_pages(
   page_size = cache.config.page_size
 
   def move(backend, buffers, tgt, src):
-    return tuple(backend.move_pages(buffers, tgt, src, page_size=page_size,
-                                    **_move_tiling(backend, _writer_period)))
+    return tuple(backend.move_pages(buffers, tgt, src, page_size=page_size, layers=_layers))
 
   moved = _run(op, implementation_order(implementation), move, cache.flat_buffers(), tgt, src)
   return cache.with_flat_buffers(moved)
-
-
-def _move_tiling(backend: Any, writer_period: int | None) -> dict:
-  """The kernels' `tiling` keyword for a move whose pairs repeat every `writer_period` units
-  (`_on_every_layer`: a stacked cache's layers); nothing for XLA or an ordinary move."""
-  if writer_period is None or backend is reference:
-    return {}
-  return dict(tiling=dataclasses.replace(backend.MoveTiling(), writer_period=writer_period))
 
 
 set_mla_kv_buffer = _public(_set_mla_kv_buffer)

@@ -220,12 +220,17 @@ def get_rows_per_token_head(
 
 # ----------------------------------------------------------------- moves
 def move_rows(
-    buffers: Sequence[jax.Array], tgt_loc: jax.Array, src_loc: jax.Array
+    buffers: Sequence[jax.Array], tgt_loc: jax.Array, src_loc: jax.Array, *, layers: int = 1
 ) -> tuple[jax.Array, ...]:
   """`b[tgt[i]] = old_b[src[i]]` for every buffer (all reads before any write).
 
-  A pair is skipped when either index is out of range.
+  A pair is skipped when either index is out of range. `layers`: each buffer is that many
+  equal blocks of rows (a stacked cache's layers), every block moving the pairs (indices
+  of a block).
   """
+  if layers != 1 and buffers:
+    per_layer = _layer_rows(buffers, layers)
+    tgt_loc, src_loc = (exact.every_block(x, per_layer, layers) for x in (tgt_loc, src_loc))
   out = []
   for buf in buffers:
     rows = buf.shape[0]
@@ -235,23 +240,29 @@ def move_rows(
   return tuple(out)
 
 
+def _layer_rows(buffers: Sequence[jax.Array], layers: int) -> int:
+  rows = buffers[0].shape[0]
+  if not isinstance(layers, int) or layers < 1 or rows % layers:
+    raise ValueError(f"layers: expected a positive int dividing the buffers' rows, got "
+                     f"{layers!r} for {rows} rows")
+  return rows // layers
+
+
 def page_rows(pages: jax.Array, page_size: int, rows: int) -> jax.Array:
   """Row indices of whole pages, (P,) -> (P*page_size,); a page not wholly inside
   [0, rows) maps all its rows to -1 (skipped)."""
-  pages = exact.index_to_int32(pages)
-  valid = (pages >= 0) & (pages < rows // page_size)
-  idx = pages[:, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)[None, :]
-  return jnp.where(valid[:, None], idx, -1).reshape(-1)
+  return exact.every_block_pages(pages, page_size, rows, 1)
 
 
 def move_pages(
     buffers: Sequence[jax.Array], tgt_pages: jax.Array, src_pages: jax.Array, *,
-    page_size: int,
+    page_size: int, layers: int = 1,
 ) -> tuple[jax.Array, ...]:
-  """Whole-page moves with the same snapshot semantics as `move_rows`."""
+  """Whole-page moves with the same snapshot semantics as `move_rows` (`layers`: page ids
+  of each block of rows; a block's rows need not be a multiple of `page_size`)."""
   if not buffers:
     return ()
-  rows = buffers[0].shape[0]
-  return move_rows(
-      buffers, page_rows(tgt_pages, page_size, rows), page_rows(src_pages, page_size, rows)
-  )
+  per_layer = _layer_rows(buffers, layers)
+  tgt, src = (exact.every_block_pages(x, page_size, per_layer, layers)
+              for x in (tgt_pages, src_pages))
+  return move_rows(buffers, tgt, src)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_mla_cache.config import MLACacheConfig
+from pallas_kernels import exact
 
 LayerBuffers = tuple[jax.Array, ...]
 
@@ -167,8 +168,7 @@ class StackedMLAKVCache:
   def every_layer(self, index: jax.Array, per_layer: int) -> jax.Array:
     """Indices (int32 (T,)) valid in `[0, per_layer)` in every layer: (layer_num * T,) of
     the stacked buffers, layer by layer; -1 where outside (a move's pairs for all layers)."""
-    return jnp.concatenate([_in_layer(l, index, per_layer, self.layer_num)
-                            for l in range(self.layer_num)])
+    return exact.every_block(index, per_layer, self.layer_num)
 
 
 def _in_layer(layer_id: Any, index: jax.Array, per_layer: int, layer_num: int) -> jax.Array:

@@ -131,3 +131,25 @@ def index_to_int32(index: Any) -> Any:
     if info.max > INT32_MAX:
       keep &= index <= jnp.asarray(INT32_MAX, dtype)
     return jnp.where(keep, lax.convert_element_type(index, jnp.int32), jnp.int32(-1))
+
+
+def every_block(index: jax.Array, units: int, blocks: int) -> jax.Array:
+  """Indices (T,) valid in ``[0, units)`` -> (blocks * T,) int32: the same indices in each of
+  ``blocks`` consecutive blocks of ``units`` (block by block; a stacked cache's layers), -1
+  where an index is outside ``[0, units)``. No overflow while ``blocks * units < 2**31``."""
+  index = index_to_int32(index)
+  ok = (index >= 0) & (index < units)
+  offsets = jnp.arange(blocks, dtype=jnp.int32)[:, None] * units
+  return jnp.where(ok[None, :], index[None, :] + offsets, -1).reshape(-1)
+
+
+def every_block_pages(pages: jax.Array, page_size: int, block_rows: int,
+                      blocks: int) -> jax.Array:
+  """Page ids (P,) of each block of ``block_rows`` rows -> row indices (blocks * P *
+  page_size,) of the whole buffer, block by block; -1 for every row of a page not wholly
+  inside ``[0, block_rows)``. For blocks whose rows are not a multiple of ``page_size``,
+  where a page id of one block is no page id of the whole buffer."""
+  pages = index_to_int32(pages)
+  ok = (pages >= 0) & (pages < block_rows // page_size)
+  rows = pages[:, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)[None, :]
+  return every_block(jnp.where(ok[:, None], rows, -1).reshape(-1), block_rows, blocks)

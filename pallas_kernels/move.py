@@ -29,6 +29,13 @@ returns a plan (not None) takes it (``MoveTiling.path`` names the first path to 
    everything else (plain token moves above 1024 rows, per_token_head above 16384, larger
    page moves).
 
+Stacked buffers (``layers`` > 1: each buffer is ``layers`` equal blocks of rows, a
+``StackedMLAKVCache``'s layers, and the pairs apply in every block): the direct path takes
+each block as a member of its own (the same programs as separate buffers); the other paths
+get the pairs of every block as pairs of the whole buffers (``exact.every_block``; page
+moves whose blocks are not whole pages as row moves), their writer counts kept per block
+(``MoveTiling.writer_period``).
+
 Each path owns distinct bytes per program, so no program races another. Buffers enter the
 kernels as refs (``jax.new_ref`` / ``jax.freeze``), so the kernels alias them: under a
 donating ``jit`` no buffer is copied. On CPU the same kernels run in Mosaic GPU interpret
@@ -40,8 +47,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import dataclasses
+
 import jax
 
+from pallas_kernels import exact
 from pallas_kernels import move_common as mc
 from pallas_kernels import move_direct, move_stream, move_two_pass
 from pallas_kernels.move_common import DEFAULT_TILING, MoveTiling
@@ -60,9 +70,12 @@ class Path(NamedTuple):
 def _run_direct(buffers, tgt, src, dplan, *, unit_rows, pdl, tiling, interpret=None):
   def stand_in(buffers, tgt, src, interpret):
     # Interpret mode: the next path that takes the move (same results).
-    name, nplan = choose(buffers, tgt.shape[0], unit_rows, tiling, after="direct")
-    return _BY_NAME[name].run(buffers, tgt, src, nplan, unit_rows=unit_rows, pdl=pdl,
-                              tiling=tiling, interpret=interpret)
+    unit, til = unit_rows, tiling
+    if dplan.layers > 1:
+      tgt, src, unit, til = _every_layer(buffers, tgt, src, unit_rows, tiling, dplan.layers)
+    name, nplan = choose(buffers, tgt.shape[0], unit, til, after="direct")
+    return _BY_NAME[name].run(buffers, tgt, src, nplan, unit_rows=unit, pdl=pdl,
+                              tiling=til, interpret=interpret)
 
   return move_direct.move(buffers, tgt, src, dplan, pdl=pdl, tiling=tiling,
                           stand_in=stand_in, interpret=interpret)
@@ -80,6 +93,20 @@ PATHS = (
     Path("two_pass", move_two_pass.plan, move_two_pass.move),
 )
 _BY_NAME = {p.name: p for p in PATHS}
+
+
+def _every_layer(buffers, tgt, src, unit_rows: int, tiling: MoveTiling, layers: int):
+  """A stacked move's pairs (units of a block) as pairs of the whole buffers: ``(tgt, src,
+  unit_rows, tiling)`` for the paths that know no blocks. Pages of blocks that are not
+  whole pages become their rows; the tiling's writer counts are kept per block."""
+  block_rows = buffers[0].shape[0] // layers
+  if block_rows % unit_rows:
+    tgt, src = (exact.every_block_pages(x, unit_rows, block_rows, layers) for x in (tgt, src))
+    unit_rows, units = 1, block_rows
+  else:
+    units = block_rows // unit_rows
+    tgt, src = (exact.every_block(x, units, layers) for x in (tgt, src))
+  return tgt, src, unit_rows, dataclasses.replace(tiling, writer_period=units)
 
 
 def choose(buffers, num_units: int, unit_rows: int, tiling: MoveTiling = DEFAULT_TILING,
@@ -104,6 +131,7 @@ def move_rows(
     *,
     pdl: bool = False,
     tiling: MoveTiling = DEFAULT_TILING,
+    layers: int = 1,
 ) -> tuple[jax.Array, ...]:
   """For every buffer ``b``: ``b[tgt_loc[i]] = old_b[src_loc[i]]``, all reads before any write.
 
@@ -116,13 +144,15 @@ def move_rows(
       ``[0, rows)`` are skipped. ``T == 0`` returns the buffers unchanged.
     pdl: launch with programmatic dependent launch (waits on the previous kernel in-kernel).
     tiling: path choice and tile sizes.
+    layers: each buffer is ``layers`` equal blocks of ``rows // layers`` rows (a stacked
+      cache's layers) and every block moves the pairs, indices in ``[0, rows // layers)``.
 
   Returns:
     The updated buffers, same shapes and dtypes; they alias the inputs (donate them).
   """
   buffers = mc.check_buffers(buffers)
   tgt, src = mc.check_indices(tgt_loc, src_loc, "tgt_loc", "src_loc")
-  return _move(buffers, tgt, src, 1, pdl, tiling)
+  return _move(buffers, tgt, src, 1, pdl, tiling, layers)
 
 
 def move_pages(
@@ -133,23 +163,36 @@ def move_pages(
     page_size: int,
     pdl: bool = False,
     tiling: MoveTiling = DEFAULT_TILING,
+    layers: int = 1,
 ) -> tuple[jax.Array, ...]:
   """Moves whole pages: rows ``[p*page_size, (p+1)*page_size)`` of every buffer.
 
   For every buffer ``b`` and pair ``i``: page ``tgt_pages[i]`` gets the old contents of page
   ``src_pages[i]``; all reads happen before any write. Pairs with a page outside
-  ``[0, rows // page_size)`` are skipped. Arguments as :func:`move_rows`.
+  ``[0, rows // page_size)`` are skipped. Arguments as :func:`move_rows` (with ``layers``,
+  page ids of a block, ``[0, rows // layers // page_size)``; the block's rows need not be
+  a multiple of ``page_size``).
   """
   buffers = mc.check_buffers(buffers)
   tgt, src = mc.check_indices(tgt_pages, src_pages, "tgt_pages", "src_pages")
   if not isinstance(page_size, int) or page_size < 1:
     raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
-  return _move(buffers, tgt, src, page_size, pdl, tiling)
+  return _move(buffers, tgt, src, page_size, pdl, tiling, layers)
 
 
-def _move(buffers, tgt, src, unit_rows: int, pdl: bool, tiling: MoveTiling):
+def _move(buffers, tgt, src, unit_rows: int, pdl: bool, tiling: MoveTiling, layers: int = 1):
+  if not isinstance(layers, int) or layers < 1 or (buffers and buffers[0].shape[0] % layers):
+    raise ValueError(f"layers: expected a positive int dividing the buffers' rows, got "
+                     f"{layers!r} for {buffers[0].shape[0] if buffers else 0} rows")
   if tgt.shape[0] == 0 or not buffers:
     return buffers
+  if layers > 1:
+    if tiling.path in ("auto", "direct"):
+      dplan = move_direct.plan(buffers, tgt.shape[0], unit_rows, tiling, layers)
+      if dplan is not None:
+        return _run_direct(buffers, tgt, src, dplan, unit_rows=unit_rows, pdl=pdl,
+                           tiling=tiling)
+    tgt, src, unit_rows, tiling = _every_layer(buffers, tgt, src, unit_rows, tiling, layers)
   name, plan = choose(buffers, tgt.shape[0], unit_rows, tiling)
   return _BY_NAME[name].run(buffers, tgt, src, plan, unit_rows=unit_rows, pdl=pdl,
                             tiling=tiling)

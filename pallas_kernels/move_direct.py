@@ -12,6 +12,10 @@ A unit is ``unit_rows`` consecutive rows (1 for token moves, ``page_size`` for s
 moves): thread items index rows of the moved units, and the kernel reads each row's pair
 from ``row // unit_rows`` (page ids expand in the kernel, not in XLA).
 
+A stacked buffer (``layers`` equal blocks of rows, a ``StackedMLAKVCache``'s layers) moves
+the same pairs in every block: each block is a member of its own (its base address offset
+by the block), so 61 stacked layers run the code and the programs of 61 separate buffers.
+
 When the items do not fit the registers the path can run in rounds: XLA computes "any
 source is another pair's target"; if none is, each round loads then stores; otherwise each
 program first copies its band of all sources to a temporary, meets at a barrier, then
@@ -40,7 +44,7 @@ from pallas_kernels import move_common as mc
 @dataclasses.dataclass(frozen=True)
 class DirectGroup:
   """Buffers of one row layout, moved by the same code (only the base address differs)."""
-  members: tuple[int, ...]  # buffer positions
+  members: tuple[int, ...]  # buffer position * layers + layer (block of rows) within it
   first: int  # first program
   bands: int  # programs per member
   row_bytes: int
@@ -53,19 +57,25 @@ class DirectGroup:
 @dataclasses.dataclass(frozen=True)
 class DirectPlan:
   tokens: int  # rows moved: pairs x unit_rows
-  units: int  # units of the buffers (rows // unit_rows): the index range
+  units: int  # units of a layer (rows // layers // unit_rows): the index range
   groups: tuple[DirectGroup, ...]
   programs: int
   select: str = "chain"  # how a program finds its buffer's address: "chain" or "tree"
   unit_rows: int = 1
+  layers: int = 1  # blocks of rows per buffer, each moving the same pairs
+  layer_rows: int = 0  # rows of a block (rows // layers)
 
   @property
   def in_rounds(self) -> bool:
     return any(g.rounds > 1 for g in self.groups)
 
 
-def plan(buffers, num_units: int, unit_rows: int, tiling: mc.MoveTiling) -> DirectPlan | None:
+def plan(buffers, num_units: int, unit_rows: int, tiling: mc.MoveTiling,
+         layers: int = 1) -> DirectPlan | None:
   """Column bands per row layout, or None to hand the move to the next path.
+
+  ``layers``: each buffer is that many equal blocks of rows, every block moving the
+  ``num_units`` pairs (a member per block: limits and bands as for separate buffers).
 
   None when ``tiling.path`` is "auto" and the move is larger than the direct path's limits
   (``direct_max_tokens`` / ``direct_rounds_max_tokens`` rows for token moves,
@@ -87,8 +97,8 @@ def plan(buffers, num_units: int, unit_rows: int, tiling: mc.MoveTiling) -> Dire
   for k, b in enumerate(buffers):
     row_bytes = mc.row_bytes(b)
     item = b.dtype.itemsize if row_bytes % mc.BULK_ALIGN else mc.BULK_ALIGN
-    layouts.setdefault((row_bytes, item), []).append(k)
-  total = sum(mc.row_bytes(b) for b in buffers)
+    layouts.setdefault((row_bytes, item), []).extend(range(k * layers, (k + 1) * layers))
+  total = layers * sum(mc.row_bytes(b) for b in buffers)
   limit = tiling.direct_items_per_thread
   groups, first = [], 0
   for (row_bytes, item), members in layouts.items():
@@ -121,8 +131,9 @@ def plan(buffers, num_units: int, unit_rows: int, tiling: mc.MoveTiling) -> Dire
   select = tiling.direct_select
   if select == "auto":
     select = "tree" if len(groups) > 1 else "chain"
-  return DirectPlan(tokens, buffers[0].shape[0] // unit_rows, tuple(groups), first, select,
-                    unit_rows)
+  layer_rows = buffers[0].shape[0] // layers
+  return DirectPlan(tokens, layer_rows // unit_rows, tuple(groups), first, select, unit_rows,
+                    layers, layer_rows)
 
 
 def move(buffers, tgt, src, dplan: DirectPlan, *, pdl: bool, tiling: mc.MoveTiling,
@@ -158,7 +169,7 @@ def _kernel(refs, tgt, src, *flag, plan: DirectPlan, pdl: bool, interpret):
   del interpret  # GPU only
   # Rounds: a temporary per buffer for the endangered case (an output: only its memory is
   # needed; dropped right after).
-  temp_types = tuple(jax.ShapeDtypeStruct((plan.tokens, *r.shape[1:]), r.dtype)
+  temp_types = tuple(jax.ShapeDtypeStruct((plan.layers * plan.tokens, *r.shape[1:]), r.dtype)
                      for r in refs) if plan.in_rounds else ()
 
   def body(*args):
@@ -182,7 +193,8 @@ def copy_rows(plan: DirectPlan, tgt_gmem, src_gmem, buffers, flag_gmem=None, tem
   """Thread-level body of a direct program (Mosaic GPU IR through ``inline_mgpu``).
 
   Program ``p`` of group ``g`` moves items ``[band * B, band * B + B)`` (B = ``g.band``) of
-  every moved row of buffer ``g.members[p // g.bands]``. Thread ``l`` takes item ``l % B``
+  every moved row of member ``g.members[p // g.bands]`` (block ``member % layers`` of buffer
+  ``member // layers``). Thread ``l`` takes item ``l % B``
   of moved rows ``l // B + s * (128 // B)`` for ``s < g.steps`` (plus ``g.steps * 128 // B``
   per round); moved row ``t`` is row ``t % unit_rows`` of the units of pair
   ``t // unit_rows``. The buffer's base address is chosen by selects or branches, so the
@@ -227,8 +239,12 @@ def copy_rows(plan: DirectPlan, tgt_gmem, src_gmem, buffers, flag_gmem=None, tem
       with ir.InsertionPoint(if_mine.then_block):
         member = arith.divui(local, c32(g.bands))
 
-        def select_base(refs_):
-          address_of = lambda k: llvm.ptrtoint(i64, mgpu_utils.memref_ptr(refs_[k]))
+        def select_base(refs_, block_rows: int):
+          def address_of(v):  # member v: block v % layers (of block_rows rows) of a buffer
+            k, block = divmod(v, plan.layers)
+            start = llvm.ptrtoint(i64, mgpu_utils.memref_ptr(refs_[k]))
+            return arith.addi(start, c64(block * block_rows * g.row_bytes)) if block else start
+
           if plan.select == "chain":  # every thread reads every member's address
             base = address_of(g.members[0])
             for m, k in enumerate(g.members[1:], 1):
@@ -250,8 +266,8 @@ def copy_rows(plan: DirectPlan, tgt_gmem, src_gmem, buffers, flag_gmem=None, tem
 
           return tree(0, len(g.members))
 
-        base = select_base(bufs)
-        temp_base = select_base(temp_refs) if g.rounds > 1 else None
+        base = select_base(bufs, plan.layer_rows)
+        temp_base = select_base(temp_refs, plan.tokens) if g.rounds > 1 else None
         per_step = mc.WARPGROUP // g.band
         per_round = g.steps * per_step
         col = arith.addi(arith.muli(arith.remui(local, c32(g.bands)), c32(g.band)),

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import jax_mla_cache as mc
+from jax_mla_cache import reference as mc_reference
 
 import pallas_kernels
 from pallas_kernels import move_direct
@@ -359,6 +360,20 @@ def gpu_buffers():
           for k in keys]
 
 
+@jax.jit
+def _same_bits(got, want):
+  """One bool per buffer, reduced inside the jit (no (rows, 1, 576) comparison array)."""
+  return jnp.stack([jnp.all(g.view(jnp.uint16) == w.view(jnp.uint16))
+                    for g, w in zip(got, want)])
+
+
+def assert_same_61_layers(got, want):
+  """Bit equality of two lists of the 61 (GPU_ROWS, 1, 576) bf16 buffers. Three such lists
+  (the inputs, the reference, the result) take 55 GB: the tests must fit an 80 GB H100."""
+  same = np.asarray(_same_bits(got, want))
+  assert same.all(), f"buffers that differ: {np.flatnonzero(~same).tolist()}"
+
+
 def reference_move(buffers, tgt, src, unit=1):
   """Plain XLA with the same skip rule (distinct targets, so the scatter is exact)."""
   units = buffers[0].shape[0] // unit
@@ -374,8 +389,7 @@ def test_gpu_move_rows_61_layers(gpu_buffers, count):
   tgt, src = hostile_pairs(np.random.default_rng(count), GPU_ROWS, count)
   want = jax.jit(reference_move)(gpu_buffers, jnp.asarray(tgt), jnp.asarray(src))
   got = jax.jit(move_rows)(gpu_buffers, tgt, src)  # not donated: inputs stay for the check
-  for g, w in zip(got, want):
-    assert bool(jnp.all(g.view(jnp.uint16) == w.view(jnp.uint16)))
+  assert_same_61_layers(got, want)
 
 
 @pytest.mark.gpu
@@ -385,8 +399,7 @@ def test_gpu_move_rows_61_layers_streamed(gpu_buffers, count):
   tgt, src = hostile_pairs(np.random.default_rng(count + 1), GPU_ROWS, count)
   want = jax.jit(reference_move)(gpu_buffers, jnp.asarray(tgt), jnp.asarray(src))
   got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=STREAM))(gpu_buffers, tgt, src)
-  for g, w in zip(got, want):
-    assert bool(jnp.all(g.view(jnp.uint16) == w.view(jnp.uint16)))
+  assert_same_61_layers(got, want)
 
 
 @pytest.mark.gpu
@@ -402,8 +415,8 @@ def test_gpu_direct_rounds_61_layers(gpu_buffers, count, overlap):
   want = jax.jit(reference_move)(gpu_buffers, jnp.asarray(tgt), jnp.asarray(src))
   for tiling in (ROUNDS, TREE_ROUNDS):
     got = jax.jit(lambda b, t, s: move_rows(b, t, s, tiling=tiling))(gpu_buffers, tgt, src)
-    for g, w in zip(got, want):
-      assert bool(jnp.all(g.view(jnp.uint16) == w.view(jnp.uint16)))
+    assert_same_61_layers(got, want)
+    del got   # 18 GB: the next tiling's result must fit next to `want` on an 80 GB card
 
 
 @pytest.mark.gpu
@@ -452,8 +465,7 @@ def test_gpu_move_pages_61_layers(gpu_buffers, count):
   want = jax.jit(lambda b, t, s: reference_move(b, t, s, unit=64))(
       gpu_buffers, jnp.asarray(tgt), jnp.asarray(src))
   got = jax.jit(lambda b, t, s: move_pages(b, t, s, page_size=64))(gpu_buffers, tgt, src)
-  for g, w in zip(got, want):
-    assert bool(jnp.all(g.view(jnp.uint16) == w.view(jnp.uint16)))
+  assert_same_61_layers(got, want)
 
 
 @pytest.mark.gpu
@@ -581,3 +593,127 @@ def test_gpu_per_token_head_rounds_large_t(count, overlap):
     tgt, src = perm[:count], perm[count:]
   got = jax.jit(move_rows)(buffers, tgt, src)
   assert_bits_equal(got, model_move(buffers, tgt, src))
+
+
+# ---------------------------------------------------------------------------------------
+# Stacked buffers (`layers`: a StackedMLAKVCache's layers as blocks of one buffer)
+
+
+def model_move_stacked(buffers, tgt, src, layers, unit=1):
+  """`model_move` on each block of `rows // layers` rows (blocks need not be whole units)."""
+  out = []
+  for b in buffers:
+    blocks = np.split(np.asarray(b), layers)
+    out.append(np.concatenate([model_move([x], tgt, src, unit)[0] for x in blocks]))
+  return out
+
+
+def stacked_of(buffers_per_layer):
+  """Per-layer buffer lists -> one stacked buffer per kind (layer-major rows)."""
+  return [jnp.concatenate(kind) for kind in zip(*buffers_per_layer)]
+
+
+@pytest.mark.parametrize("kind", ["plain", "pth"])
+@pytest.mark.parametrize("tokens, unit, tiling", [
+    (1, 1, MoveTiling()), (64, 1, MoveTiling()), (1024, 1, MoveTiling()),
+    (4096, 1, MoveTiling()), (16, 64, MoveTiling()), (2048, 1, ROUNDS)])
+def test_stacked_direct_plan_is_the_unstacked_plan(kind, tokens, unit, tiling):
+  # 61 layers stacked in one buffer: the same groups, bands, steps and programs as 61
+  # separate buffers; the members are (buffer, layer) blocks and the index range a layer's.
+  rows = 2**16 + 64
+  one = PLAIN[:1] if kind == "plain" else PTH
+  stacked = [jax.ShapeDtypeStruct((61 * rows, *b.shape[1:]), b.dtype) for b in one]
+  separate = [b for b in one for _ in range(61)]   # buffer k's layers next to each other
+  want = move_direct.plan(separate, tokens, unit, tiling)
+  got = move_direct.plan(stacked, tokens, unit, tiling, layers=61)
+  if want is None:
+    assert got is None
+    return
+  assert got.units == want.units == rows // unit and got.layer_rows == rows
+  assert (got.layers, got.programs, got.tokens) == (61, want.programs, want.tokens)
+  assert got.groups == want.groups   # members k * 61 + layer: the separate buffers' order
+
+
+def test_stacked_direct_move_lowers_as_one_kernel_on_one_buffer():
+  # The stacked direct move: one launch, no XLA work before it, the one buffer aliased.
+  buffers = [jax.ShapeDtypeStruct((61 * (2**18 + 64), 1, 576), jnp.bfloat16)]
+  for fn in (lambda b, t, s: move_rows(b, t, s, layers=61),
+             lambda b, t, s: move_pages(b, t, s, page_size=64, layers=61)):
+    text = lower_for_cuda(fn, buffers, 16)
+    assert text.count("stablehlo.custom_call @mosaic_gpu_v2(") == 1
+    main = text[text.index("func.func public @main"):]
+    ops = set(re.findall(r"(stablehlo\.\w+)", main.split("func.func", 2)[1]))
+    assert ops <= {f"stablehlo.{op}" for op in
+                   ("custom_call", "reshape", "case", "constant", "return", "call")}, ops
+    assert main.splitlines()[0].count("tf.aliasing_output") == 1
+  # Beyond the direct path: the other paths get every layer's pairs (XLA work first).
+  text = lower_for_cuda(lambda b, t, s: move_rows(b, t, s, layers=61), buffers, 2048)
+  assert text.count("stablehlo.custom_call @mosaic_gpu_v2(") == 2   # two-pass
+
+
+@pytest.mark.parametrize("unit, block_rows", [(1, 200), (8, 200), (8, 204), (64, 1000)])
+def test_stacked_moves_interpreted_equal_the_model(unit, block_rows):
+  # Interpret mode runs the next path with every layer's pairs; blocks that are not whole
+  # pages (204 rows of pages of 8: page 25 would straddle two layers) move page rows.
+  rng = np.random.default_rng(unit + block_rows)
+  layers = 3
+  per_layer = [make_buffers(rng, rows=block_rows, plain_layers=1, trio_layers=1)
+               for _ in range(layers)]
+  buffers = stacked_of(per_layer)
+  units = block_rows // unit
+  count = min(12, units // 2 - 2)
+  tgt, src = hostile_pairs(rng, units, count)
+  want = model_move_stacked(buffers, tgt, src, layers, unit)
+  if unit == 1:
+    got = move_rows(buffers, tgt, src, layers=layers)
+    xla = mc_reference.move_rows(buffers, tgt, src, layers=layers)
+  else:
+    got = move_pages(buffers, tgt, src, page_size=unit, layers=layers)
+    xla = mc_reference.move_pages(buffers, tgt, src, page_size=unit, layers=layers)
+  assert_bits_equal(got, want)
+  assert_bits_equal(xla, want)
+
+
+def test_stacked_layers_must_divide_the_rows():
+  buffers = make_buffers(np.random.default_rng(0), rows=100, plain_layers=1, trio_layers=0)
+  idx = np.arange(3, dtype=np.int32)
+  for bad in (3, 0, 2.0):
+    with pytest.raises(ValueError, match="layers"):
+      move_rows(buffers, idx, idx[::-1], layers=bad)
+    with pytest.raises(ValueError, match="layers"):
+      mc_reference.move_rows(buffers, idx, idx[::-1], layers=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["plain-64", "plain-1024", "pth-64", "pth-4096-rounds",
+                                  "plain-pages-1", "plain-pages-16", "pth-pages-16",
+                                  "plain-pages-3-ragged", "plain-2048-two-pass"])
+def test_gpu_stacked_moves_61_layers(case):
+  # The stacked direct kernel (each layer a member) and the fallbacks, on the GPU, with
+  # hostile pairs, against XLA with the same `layers` and against each layer moved alone.
+  kind, rest = case.split("-", 1)
+  pages = "pages" in rest
+  count = int(rest.split("-")[1] if pages else rest.split("-")[0])
+  unit = 8 if "ragged" in rest else 64 if pages else 1
+  block_rows = 2**14 + 68 if "ragged" in rest else 2**14 + 64   # ragged: not whole pages
+  rng = np.random.default_rng(count)
+  kinds = [(576, jnp.bfloat16)] if kind == "plain" else [
+      (512, jnp.float8_e4m3fn), (1, jnp.float32), (64, jnp.bfloat16)]
+  bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}   # random bytes, made on the GPU
+  buffers = [jax.random.bits(jax.random.key(k), (61 * block_rows, 1, w),
+                             bits[jnp.dtype(d).itemsize]).view(d)
+             for k, (w, d) in enumerate(kinds)]
+  tgt, src = hostile_pairs(rng, block_rows // unit, count)
+  if pages:
+    fn = lambda b, t, s, impl: impl.move_pages(b, t, s, page_size=unit, layers=61)
+  else:
+    fn = lambda b, t, s, impl: impl.move_rows(b, t, s, layers=61)
+  want = jax.jit(lambda b, t, s: fn(b, t, s, mc_reference))(buffers, tgt, src)
+  got = jax.jit(lambda b, t, s: fn(b, t, s, pallas_kernels))(buffers, tgt, src)
+  assert_bits_equal(got, [np.asarray(w) for w in want])
+  layer = 60   # the last layer against its own unstacked move
+  alone = [b[layer * block_rows:(layer + 1) * block_rows] for b in buffers]
+  alone = (mc_reference.move_pages(alone, tgt, src, page_size=unit) if pages
+           else mc_reference.move_rows(alone, tgt, src))
+  assert_bits_equal([g[layer * block_rows:(layer + 1) * block_rows] for g in got],
+                    [np.asarray(a) for a in alone])
