@@ -337,7 +337,8 @@ def check_loc(loc: Any, name: str, op: str) -> jax.Array:
 
 
 def check_rows_input(x: Any, name: str, tokens: int, width: int, op: str) -> jax.Array:
-  """A (T, 1, width) float array."""
+  """A (T, 1, width) float array, with exactly the values of its dtype (`exact.as_stored`:
+  a jitted producer's excess precision does not reach the quantization)."""
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(f"{op}: {name} must be an array, got {type(x).__name__}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -347,7 +348,7 @@ def check_rows_input(x: Any, name: str, tokens: int, width: int, op: str) -> jax
         f"{op}: {name} must have shape (T, 1, {width}) = {(tokens, 1, width)} "
         f"(T = len(loc) = {tokens}), got {tuple(x.shape)}"
     )
-  return x
+  return exact.as_stored(x)
 
 
 def check_dtype(dtype: Any, name: str, op: str):

@@ -34,6 +34,7 @@ import numpy as np
 from jax_mla_cache import dispatch, reference, rope
 from jax_mla_cache.config import MODEL_DTYPES
 from jax_mla_cache.state import MLAKVCache
+from pallas_kernels import exact
 
 F32 = jnp.float32
 OP = "rope_set_mla_kv_buffer"
@@ -76,7 +77,7 @@ def _check_heads(x: Any, name: str, tokens: int, heads: int | None, width: int, 
     want = f"(T, {'H' if heads is None else heads}, {width})"
     raise ValueError(f"{op}: {name} must have shape {want} (T = len(loc) = {tokens}), "
                      f"got {shape}")
-  return x
+  return exact.as_stored(x)
 
 
 def check_inputs(config, loc, positions, q_nope, q_rope, k_nope, k_rope, cos_sin_cache,

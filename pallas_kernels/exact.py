@@ -153,3 +153,19 @@ def every_block_pages(pages: jax.Array, page_size: int, block_rows: int,
   ok = (pages >= 0) & (pages < block_rows // page_size)
   rows = pages[:, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)[None, :]
   return every_block(jnp.where(ok[:, None], rows, -1).reshape(-1), block_rows, blocks)
+
+
+# ----------------------------------------------------------------- inputs
+def as_stored(x: jax.Array) -> jax.Array:
+  """`x` with exactly the values its dtype holds.
+
+  Under ``jit``, XLA (``xla_allow_excess_precision``, on by default) may hand a fused
+  consumer the unrounded float32 value a producer computed for a bf16 / f16 array (XLA:CPU
+  did: a jitted step's ``a * b + a`` quantized to fp8 gave other bytes than the same step
+  eagerly, and than the kernels, whose inputs are materialized). An optimization barrier
+  makes the array's own values the operand. Arrays of 32 bits or more pass unchanged.
+  """
+  x = jnp.asarray(x)
+  if jnp.dtype(x.dtype).itemsize >= 4:
+    return x
+  return lax.optimization_barrier(x)

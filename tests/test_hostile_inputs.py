@@ -455,3 +455,33 @@ def test_pool_and_sharded_ops_keep_the_fall_through(monkeypatch, rng):
   cache = sh.set_mla_kv_buffer(cache, 1, np.array([3, 4]), nope, rope)
   for mine, theirs in zip(model.buffers[1], cache.buffers[1]):
     np.testing.assert_array_equal(np.asarray(theirs).view(np.uint8), mine.view(np.uint8))
+
+
+# ----------------------------------------------------------------- excess precision
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", ["set_per_token_head", "set_plain_fp8", "rope_set_per_token_head"])
+def test_jitted_producer_values_are_the_arrays_values(op, impl, rng):
+  """A jitted step that computes its bf16 rows and writes them: XLA may hand the write the
+  producer's unrounded float32 values (excess precision; XLA:CPU does). The write quantizes
+  the bf16 arrays' own values: the same bytes as the step run eagerly, on both
+  implementations (`exact.as_stored`; before, 655 of the fp8 bytes differed here)."""
+  cfg = (mc.SMALL.replace(dtype=jnp.float8_e4m3fn) if op == "set_plain_fp8" else QUANT)
+  T, H = 16, 2
+  f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+  a, b, ra, rb = f(T, 1, 512), f(T, 1, 512), f(T, 1, 64), f(T, 1, 64)
+  qa, qb, qra = f(T, H, 512), f(T, H, 512), f(T, H, 64)
+  loc = jnp.arange(T) + cfg.page_size
+  table = jnp.asarray(mc.rope.rope_cos_sin_cache(64, 64))
+
+  def step(cache, a, b, ra, rb, qa, qb, qra):
+    nope, rope = a * b + a, ra * rb + ra          # bf16 products: rounded in the arrays
+    if op.startswith("rope_set"):
+      return mc.rope_set_mla_kv_buffer(cache, 0, loc, loc, qa * qb + qa, qra * rb[:, :1] + qra,
+                                       nope, rope, table, implementation=impl)
+    return mc.set_mla_kv_buffer(cache, 0, loc, nope, rope, implementation=impl)
+
+  args = (a, b, ra, rb, qa, qb, qra)
+  eager = step(mc.init_cache(cfg), *args)
+  jitted = jax.jit(step)(mc.init_cache(cfg), *args)
+  for x, y in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+    np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
