@@ -62,8 +62,9 @@ class MoveTiling:
       compare (one fused XLA kernel) instead of writer counts.
     two_pass_smem_bytes: shared memory of one two-pass program (its items of one buffer).
     max_items_per_program: cap on the items one two-pass program moves.
-    writer_period: the pairs repeat every this many units (a `StackedMLAKVCache` move: the
-      same pairs in every layer, offset by the layer's rows or pages): the writer counts of
+    writer_period: the pairs repeat every this many units (set by ``move_rows(...,
+      layers=L)`` where a path gets every layer's pairs: the same pairs in every block,
+      offset by the block's rows or pages): the writer counts of
       `endangered` are kept per unit modulo it (exact for such moves, conservative for any
       other), so they cost one layer's units, not the whole stacked buffer's. None: per unit.
     two_pass_max_buffers: two-pass launches each move at most this many buffers (equal
