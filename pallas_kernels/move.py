@@ -44,10 +44,9 @@ mode; the choice is made per lowering platform (``jax.lax.platform_dependent``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
-
-import dataclasses
 
 import jax
 
