@@ -89,7 +89,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax_mla_cache import attention, dispatch, offload, reference, rope_write
 from jax_mla_cache.config import MLACacheConfig
 from jax_mla_cache.dispatch import Implementation
-from jax_mla_cache.state import MLAKVCache, StackedMLAKVCache, init_cache, zeros_cache
+from jax_mla_cache.state import (MLAKVCache, StackedMLAKVCache, check_stackable, init_cache,
+                                 zeros_cache)
 from pallas_kernels.mla_decode import finish_lse_merge
 
 # The generated ops' signatures name `Implementation` (typing.get_type_hints resolves it here).
@@ -253,11 +254,16 @@ class ShardedMLAKVCache:
     _check_sharded(cache, "ShardedMLAKVCache.from_layers")
     if cache.stacked:
       raise TypeError("ShardedMLAKVCache.from_layers: the cache is already stacked")
-    _check_stackable(cache.layout, "ShardedMLAKVCache.from_layers")
+    _check_stackable(cache.layout, "ShardedMLAKVCache.from_layers", cache.cache.config)
     return cache.replace(_restack(cache.layout, cache.cache, stacked=True))
 
 
-def _check_stackable(layout: ShardedLayout, op: str) -> None:
+def _check_stackable(layout: ShardedLayout, op: str,
+                     storage: MLACacheConfig | None = None) -> None:
+  """ValueError unless `layout` takes a stacked cache (not pipeline) and, given the
+  `storage` config, every shard's layers start on a page (`state.check_stackable`)."""
+  if storage is not None and layout.kind != "pipeline":
+    check_stackable(layout.shard_config(storage), op)
   if layout.kind == "pipeline":
     raise ValueError(
         f"{op}: a pipeline layout takes no stacked cache: a stage's devices hold only that "
@@ -304,7 +310,7 @@ def init_sharded_cache(config: MLACacheConfig, layout: ShardedLayout, *,
     raise TypeError(f"init_sharded_cache: layout must be a ShardedLayout, got {type(layout).__name__}")
   storage = layout.storage_config(config)
   if stacked:
-    _check_stackable(layout, "init_sharded_cache")
+    _check_stackable(layout, "init_sharded_cache", storage)
     # (Zeros: the rank-major order needs no placement of its own.)
     cache = zeros_cache(storage, layout.buffer_sharding(0, storage.layer_num), stacked=True)
     return ShardedMLAKVCache(cache=cache, layout=layout)

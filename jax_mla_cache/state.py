@@ -90,7 +90,8 @@ class StackedMLAKVCache:
   `layer_id` outside `[0, layer_num)` skips every write and reads nothing); the moves
   (`move_kv_cache`, `move_kv_pages`) act on every layer. The buffers stay flat on purpose:
   a `(layer_num, rows, ...)` carry reshaped inside a scan body made XLA:CPU copy it every
-  iteration (a layout change), a flat one is updated in place.
+  iteration (a layout change), a flat one is updated in place. `size` must be a multiple
+  of `page_size` (so is `rows`: every layer starts on a page of the stacked buffers).
 
   The host tier (`get_cpu_copy` / `load_cpu_copy`) takes it too (the same `HostCopy` as
   the contents unstacked). `jax_mla_cache.sharding.init_sharded_cache(config, layout,
@@ -103,6 +104,7 @@ class StackedMLAKVCache:
   config: MLACacheConfig = dataclasses.field(metadata=dict(static=True))
 
   def __post_init__(self):
+    check_stackable(self.config, "StackedMLAKVCache")
     if self.config.layer_num * self.config.rows >= 2**31:
       raise ValueError(
           f"StackedMLAKVCache: layer_num x rows = {self.config.layer_num} x "
@@ -169,6 +171,19 @@ class StackedMLAKVCache:
     """Indices (int32 (T,)) valid in `[0, per_layer)` in every layer: (layer_num * T,) of
     the stacked buffers, layer by layer; -1 where outside (a move's pairs for all layers)."""
     return exact.every_block(index, per_layer, self.layer_num)
+
+
+def check_stackable(cfg: MLACacheConfig, op: str) -> None:
+  """ValueError unless layers of `cfg` can be stacked: `rows` a multiple of `page_size`, so
+  that every layer starts on a page of the stacked buffers (`mla_decode` and
+  `move_kv_pages` address a layer's pages there)."""
+  if cfg.rows % cfg.page_size:
+    whole = -(-cfg.size // cfg.page_size) * cfg.page_size
+    raise ValueError(
+        f"{op}: a stacked cache needs rows = size + page_size = {cfg.rows} to be a multiple "
+        f"of page_size = {cfg.page_size}, so that every layer starts on a page of the "
+        f"stacked buffers (mla_decode and move_kv_pages address a layer's pages there); "
+        f"use size={whole} (or {whole - cfg.page_size}), or an MLAKVCache")
 
 
 def _in_layer(layer_id: Any, index: jax.Array, per_layer: int, layer_num: int) -> jax.Array:

@@ -262,6 +262,16 @@ def test_traced_layer_outside_the_cache_touches_nothing(kind, rng):
     assert not np.asarray(out, np.float32).any() and np.isneginf(np.asarray(lse)).all()
 
 
+@pytest.mark.parametrize("kind", ["data_parallel", "replicated", "context_parallel"])
+def test_layers_that_are_not_whole_pages_are_refused(kind):
+  # As on one device (test_stacked): every shard's layers must start on a page.
+  cfg = PLAIN.replace(size=PLAIN.size + 4)   # rows 132, pages of 8
+  if kind == "context_parallel":   # shards of 136 / 8 = 17 rows, pages of 16 / 8 = 2
+    cfg = PLAIN.replace(size=120, page_size=16)
+  with pytest.raises(ValueError, match="multiple of page_size"):
+    sh.init_sharded_cache(cfg, layout(kind), stacked=True)
+
+
 def test_pipeline_and_bad_layer_ids_are_refused(rng):
   with pytest.raises(ValueError, match="pipeline layout takes no stacked cache"):
     sh.init_sharded_cache(PLAIN, layout("pipeline"), stacked=True)
