@@ -151,6 +151,7 @@ def _mla_decode(cache, layer_id, q, page_table, seq_lens, *, sm_scale, implement
   op = "mla_decode"
   cfg = cache.config
   page_table, seq_lens = check_decode_args(cache, q, page_table, seq_lens, op)
+  q = exact.as_stored(q)   # q's own values, not a jitted producer's unrounded ones
   args = dict(sm_scale=sm_scale, page_size=cfg.page_size, kv_lora_rank=cfg.kv_lora_rank)
 
   def attend(backend, buffers, q, page_table, seq_lens):
