@@ -224,7 +224,7 @@ def _public(jitted: Callable) -> Callable:
     bound = bind_arguments(signature, cache, name, (cache, *args), kwargs)
     if not per_layer:
       if isinstance(cache, StackedMLAKVCache):
-        return _on_every_layer(jitted, cache, bound, name)
+        return _on_every_layer(jitted, cache, bound)
       return jitted(*bound.args, **bound.kwargs)
     return on_layer(jitted, cache, bound.args[1], *bound.args[2:], **bound.kwargs)
 
@@ -256,11 +256,10 @@ def on_layer(core: Callable, cache: Any, layer_id: Any, *args, pages_at: int | N
 
 
 def _on_every_layer(jitted: Callable, cache: StackedMLAKVCache,
-                    bound: inspect.BoundArguments, op: str) -> StackedMLAKVCache:
+                    bound: inspect.BoundArguments) -> StackedMLAKVCache:
   """A move (`move_kv_cache`, `move_kv_pages`) of a `StackedMLAKVCache`: the op on the
   stacked view with its private `_layers`, so that every layer (a block of the stacked
   buffers) moves the pairs (the backends' `layers`)."""
-  del op  # (the core checks the pairs and names them)
   bound.arguments["cache"] = cache.layer_view()
   return cache.with_layer(None, jitted(*bound.args, **bound.kwargs, _layers=cache.layer_num))
 

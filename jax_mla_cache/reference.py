@@ -229,7 +229,7 @@ def move_rows(
   of a block).
   """
   if layers != 1 and buffers:
-    per_layer = _layer_rows(buffers, layers)
+    per_layer = exact.block_rows(buffers[0].shape[0], layers)
     tgt_loc, src_loc = (exact.every_block(x, per_layer, layers) for x in (tgt_loc, src_loc))
   out = []
   for buf in buffers:
@@ -240,20 +240,6 @@ def move_rows(
   return tuple(out)
 
 
-def _layer_rows(buffers: Sequence[jax.Array], layers: int) -> int:
-  rows = buffers[0].shape[0]
-  if not isinstance(layers, int) or layers < 1 or rows % layers:
-    raise ValueError(f"layers: expected a positive int dividing the buffers' rows, got "
-                     f"{layers!r} for {rows} rows")
-  return rows // layers
-
-
-def page_rows(pages: jax.Array, page_size: int, rows: int) -> jax.Array:
-  """Row indices of whole pages, (P,) -> (P*page_size,); a page not wholly inside
-  [0, rows) maps all its rows to -1 (skipped)."""
-  return exact.every_block_pages(pages, page_size, rows, 1)
-
-
 def move_pages(
     buffers: Sequence[jax.Array], tgt_pages: jax.Array, src_pages: jax.Array, *,
     page_size: int, layers: int = 1,
@@ -262,7 +248,7 @@ def move_pages(
   of each block of rows; a block's rows need not be a multiple of `page_size`)."""
   if not buffers:
     return ()
-  per_layer = _layer_rows(buffers, layers)
+  per_layer = exact.block_rows(buffers[0].shape[0], layers)
   tgt, src = (exact.every_block_pages(x, page_size, per_layer, layers)
               for x in (tgt_pages, src_pages))
   return move_rows(buffers, tgt, src)

@@ -262,8 +262,6 @@ def _check_stackable(layout: ShardedLayout, op: str,
                      storage: MLACacheConfig | None = None) -> None:
   """ValueError unless `layout` takes a stacked cache (not pipeline) and, given the
   `storage` config, every shard's layers start on a page (`state.check_stackable`)."""
-  if storage is not None and layout.kind != "pipeline":
-    check_stackable(layout.shard_config(storage), op)
   if layout.kind == "pipeline":
     raise ValueError(
         f"{op}: a pipeline layout takes no stacked cache: a stage's devices hold only that "
@@ -271,6 +269,8 @@ def _check_stackable(layout: ShardedLayout, op: str,
         "stage instead: a cache of the stage's layers for each stage's program, "
         "init_sharded_cache(stage_config, ShardedLayout('replicated', "
         "layout.stage_mesh(s), layout.axis), stacked=True)")
+  if storage is not None:
+    check_stackable(layout.shard_config(storage), op)
 
 
 def _restack(layout: ShardedLayout, storage: MLAKVCache | StackedMLAKVCache,

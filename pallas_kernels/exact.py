@@ -133,6 +133,15 @@ def index_to_int32(index: Any) -> Any:
     return jnp.where(keep, lax.convert_element_type(index, jnp.int32), jnp.int32(-1))
 
 
+def block_rows(rows: int, blocks: Any) -> int:
+  """Rows of each of ``blocks`` equal blocks of ``rows`` rows (a stacked buffer's layers);
+  ValueError naming ``layers`` unless ``blocks`` is a positive int dividing ``rows``."""
+  if not isinstance(blocks, int) or blocks < 1 or rows % blocks:
+    raise ValueError(f"layers: expected a positive int dividing the buffers' rows, got "
+                     f"{blocks!r} for {rows} rows")
+  return rows // blocks
+
+
 def every_block(index: jax.Array, units: int, blocks: int) -> jax.Array:
   """Indices (T,) valid in ``[0, units)`` -> (blocks * T,) int32: the same indices in each of
   ``blocks`` consecutive blocks of ``units`` (block by block; a stacked cache's layers), -1

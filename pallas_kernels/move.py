@@ -180,9 +180,7 @@ def move_pages(
 
 
 def _move(buffers, tgt, src, unit_rows: int, pdl: bool, tiling: MoveTiling, layers: int = 1):
-  if not isinstance(layers, int) or layers < 1 or (buffers and buffers[0].shape[0] % layers):
-    raise ValueError(f"layers: expected a positive int dividing the buffers' rows, got "
-                     f"{layers!r} for {buffers[0].shape[0] if buffers else 0} rows")
+  exact.block_rows(buffers[0].shape[0] if buffers else 0, layers)   # (the check)
   if tgt.shape[0] == 0 or not buffers:
     return buffers
   if layers > 1:
