@@ -60,7 +60,7 @@ BLOCK_KV = 64       # tokens per KV block
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MASKED = 1 << 30    # added to positions that must stay invisible
-PATHS = ("converter", "narrow", "wide")
+PATHS = ("registers", "converter", "narrow", "wide")
 
 
 @dataclasses.dataclass(frozen=True)

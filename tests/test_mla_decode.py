@@ -306,6 +306,9 @@ KERNEL_CASES = [
     ("pth", 32, 2, 1, 16, 5, 3, "converter"),   # two copies per block, three splits
     ("pth", 64, 2, 1, 5, 3, 1, "converter"),    # 5 rows padded to 16
     ("pth", 64, 3, 2, 8, 4, 2, "converter"),    # 16 rows, queries causal
+    ("pth", 32, 2, 1, 16, 5, 3, "registers"),   # two copies per block, three splits
+    ("pth", 64, 2, 1, 5, 3, 1, "registers"),    # 5 rows padded to 16
+    ("pth", 64, 3, 2, 12, 4, 2, "registers"),   # 24 rows padded to 32, queries causal
 ]
 
 
@@ -351,7 +354,8 @@ def test_interpreting_on_one_cpu_device_warns(monkeypatch):
 
 @pytest.mark.parametrize("mode,page_size,s_q,H,path", [
     ("bf16", 16, 2, 8, "narrow"), ("bf16", 64, 1, 16, "wide"), ("pth", 32, 2, 8, "narrow"),
-    ("pth", 64, 1, 16, "wide"), ("pth", 32, 1, 16, "converter")])
+    ("pth", 64, 1, 16, "wide"), ("pth", 32, 1, 16, "converter"),
+    ("pth", 64, 2, 16, "registers")])
 def test_kernel_interpret_ignores_garbage_rows_it_may_not_see(mode, page_size, s_q, H, path,
                                                               rng):
   """NaN / inf rows on page 0 (masked pages read it) and past every length (in the last
@@ -367,16 +371,22 @@ def test_kernel_interpret_ignores_garbage_rows_it_may_not_see(mode, page_size, s
 
 
 def test_kernel_paths_take_what_they_say():
-  """converter takes per_token_head with <= 16 query rows, narrow <= 32 query rows, wide
-  everything; the default order tries them in that order."""
+  """registers takes per_token_head with <= 32 query rows, converter per_token_head with
+  <= 16, narrow <= 32 query rows, wide everything; the default order tries them in that
+  order."""
   geo = lambda s_q, H, quantized=False: kernel.Geometry(
       B=4, s_q=s_q, H=H, R=512, Rr=64, P=8, page_size=64, rows=4096, quantized=quantized,
       dtype=jnp.dtype(jnp.bfloat16))
+  registers = kernel._path("registers")
   converter = kernel._path("converter")
   narrow = kernel._path("narrow")
   wide = kernel._path("wide")
   config = kernel.DecodeConfig()
-  assert kernel.PATHS == ("converter", "narrow", "wide")
+  assert kernel.PATHS == ("registers", "converter", "narrow", "wide")
+  for s_q, H in ((1, 16), (2, 16), (1, 1), (4, 8)):
+    assert registers.takes(geo(s_q, H, True), config) is None
+  assert "plain" in registers.takes(geo(1, 16), config)
+  assert "query rows" in registers.takes(geo(4, 16, True), config)
   for s_q, H in ((1, 16), (2, 8), (1, 1)):
     assert converter.takes(geo(s_q, H, True), config) is None
   assert "plain" in converter.takes(geo(1, 16), config)
@@ -410,7 +420,8 @@ def test_public_op_runs_the_kernel_on_pallas(rng):
 @pytest.mark.parametrize("mode", ["bf16", "pth"])
 @pytest.mark.parametrize("page_size,B,s_q,H,path", [
     (64, 64, 1, 16, "narrow"), (64, 64, 1, 16, "wide"), (32, 8, 2, 16, "narrow"),
-    (32, 8, 4, 128, None), (128, 1, 2, 64, None), (64, 64, 1, 16, None), (32, 8, 2, 8, None)])
+    (32, 8, 4, 128, None), (128, 1, 2, 64, None), (64, 64, 1, 16, None), (32, 8, 2, 8, None),
+    (64, 64, 2, 16, None)])
 def test_kernel_lowers_for_cuda(mode, page_size, B, s_q, H, path):
   base = mc.DEEPSEEK_V3 if mode == "bf16" else mc.DEEPSEEK_V3_FP8
   cfg = base.replace(size=65536 - page_size, page_size=page_size, layer_num=1)
@@ -422,6 +433,37 @@ def test_kernel_lowers_for_cuda(mode, page_size, B, s_q, H, path):
                                    config=kernel.DecodeConfig(path=path))
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text.lower()
+
+
+def test_register_path_permutations_match_its_transposes():
+  """The registers path gathers q's nope columns by `score_columns` and puts out^T's rows
+  back by `value_rows` with reshapes and transposes (`_build`): the same permutations."""
+  registers = kernel._path("registers")
+  R = 512
+  cols = registers.score_columns(R)
+  rows = registers.value_rows(R)
+  assert sorted(cols) == list(range(R)) and sorted(rows) == list(range(R))
+  # Position 64 h + 8 k + 2 q + i of a 128-column chunk holds column 16 k + 4 q + 2 h + i.
+  assert cols[64 + 8 * 3 + 2 * 1 + 1] == 16 * 3 + 4 * 1 + 2 + 1
+  assert rows[128 + 64 + 5] == 128 + 2 * 5 + 1
+  q = np.arange(2 * 3 * R).reshape(2, 3, R)
+  out_t = np.arange(2 * 1 * R * 4).reshape(2, 1, R, 4)
+  seen = {}
+
+  def fake_kernel(*refs):
+    seen["q"] = refs[3]
+    return out_t[:, :, rows], None
+
+  build = registers._build
+  monkey = registers._kernel
+  try:
+    registers._kernel = lambda interpret, **static: fake_kernel
+    call = build(False, R=R)
+    out, _ = call(None, None, None, jnp.concatenate([q, q[..., :64]], axis=-1), None)
+  finally:
+    registers._kernel = monkey
+  np.testing.assert_array_equal(np.asarray(seen["q"])[..., :R], q[..., cols])
+  np.testing.assert_array_equal(np.asarray(out), out_t)
 
 
 E4M3_CODES = np.arange(64 * 512, dtype=np.int64) * 7 % 256  # every code, in a mixed order

@@ -1,0 +1,351 @@
+"""mla_decode path "registers": per_token_head, at most 32 query rows, no converted tile.
+
+The "converter" and "narrow" paths convert each fp8 nope block to q's dtype into a shared
+tile (64 KB written, then read by the score and the value products): measured on an H100,
+one warpgroup's conversion plus the products it feeds takes 1.57 us a 64-token block for
+the values and 1.46 us for the scores (`benchmarks/diag_register_operands.py`,
+`logs/2026-12-06c_diag_register_operands_h100.log`). Here the products take their A
+operands from registers, converted from the fp8 ring as they are loaded (exact; for bf16
+through f16 and float32 as Mosaic does): 0.74 and 0.67 us, and no tile at all.
+
+    S^T (64 tokens x N)   = K (64 x R) . Q^T + K_rope (64 x Rr) . Q_rope^T
+    out^T (R x N)        += V^T (R x 64) . P^T (64 x N)     (V = K: the fp8 nope plane)
+
+* Scores (warpgroup 0): the ring's fp8 block read as 16-bit column pairs in the WGMMA
+  register layout gives a thread 4 consecutive columns of a token per 32-bit register;
+  its two halves become the A operands of two 64-column products whose K positions are a
+  fixed permutation of the 128 columns (`score_columns`): q's nope columns are gathered
+  by it before the kernel (one XLA transpose), so S^T is unchanged.
+* Values (warpgroup 1, all R columns): Mosaic's 16-bit transposed shared-memory load
+  (``ldmatrix.trans``) gives a thread columns (2j, 2j+1) of tokens (t, t+1) per register;
+  one ``prmt`` splits them into the two columns' token pairs: the A operands of two 64-row
+  tiles of V^T, of the even and the odd columns of 128. out^T's rows come out in that
+  order (`value_rows`), undone after the kernel (one XLA transpose, fused with the merge
+  of the splits).
+* Pipeline (as "narrow", without conversions): warpgroup 0 computes S^T, the online
+  softmax (scale folded into the scores and the weights), hands P and alpha to warpgroup
+  1 and goes on to the next block while warpgroup 1 accumulates the values, zeroes the
+  rows no query may see in the raw fp8 block first (0 x NaN), and refills the ring
+  (`mla_decode_parts.ring_loader`). With no converted tile the ring is deeper (`stages`).
+
+Interpret mode (CPU tests) has no ``inline_mgpu`` and no register A operands: there the
+blocks are converted into a shared tile per stage and the products read it (the "narrow"
+arithmetic, natural column order) -- the pipeline, barriers and masking are the same; the
+register operands themselves are checked on the GPU (tests/test_mla_decode.py, `-m gpu`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import common
+from pallas_kernels.common import F32
+from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, DecodeConfig, Geometry, combine,
+                                       num_sms, split_count)
+from pallas_kernels.mla_decode_narrow import SMEM_LIMIT, padded_rows
+from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8,
+                                             decode_kernel, masked_positions, online_softmax,
+                                             page_flags, program, prologue, publish_weights,
+                                             ring_loader, softmax_end, softmax_start,
+                                             warpgroup_sync, zero_masked_rows)
+
+MAX_ROWS = 32
+MAX_STAGES = 4
+PAIRS = 64              # 16-bit column pairs a load: 128 fp8 columns
+# The fp8 ring's bytes seen as 16-bit column pairs (the same tiles of 8 x 64 bytes, the
+# same 64-byte swizzle as `Prologue.fp8_tile`).
+U16_TILE = (plgpu.TilingTransform((8, CONVERT_COLS // 2)), plgpu.SwizzleTransform(CONVERT_COLS))
+WGMMA = plgpu.Layout.WGMMA
+
+# e4m3 x2 (a .b16) -> f16 x2: one instruction, exact; bf16: then each half through float32
+# (exact: every e4m3 value is a bf16).
+_CVT = {
+    "float16": "cvt.rn.f16x2.e4m3x2 {d}, {s};\n",
+    "bfloat16": ("{{ .reg .b32 h; .reg .b16 h0, h1; .reg .f32 f0, f1;\n"
+                 "  cvt.rn.f16x2.e4m3x2 h, {s}; mov.b32 {{h0, h1}}, h;\n"
+                 "  cvt.f32.f16 f0, h0; cvt.f32.f16 f1, h1; cvt.rn.bf16x2.f32 {d}, f1, f0; }}\n"),
+}
+
+
+def fp8_operands(x, dtype, *, transposed: bool):
+  """A (rows, 64) uint16 array in the WGMMA layout (each element two fp8 bytes) -> two
+  (rows, 64) `dtype` arrays in the WGMMA layout, the A operands of two products.
+
+  A 32-bit register of `x` holds 4 fp8 bytes b0..b3. ``transposed`` (a transposed load of
+  column pairs: rows are pairs (2j, 2j+1), columns tokens): b0, b1 are the pair of token t,
+  b2, b3 that of token t+1; the outputs hold column 2j's (b0, b2) and column 2j+1's
+  (b1, b3) token pairs. Otherwise (rows are tokens) b0..b3 are 4 consecutive columns; the
+  outputs hold (b0, b1) and (b2, b3). GPU only (``inline_mgpu``).
+  """
+  from jax._src.lib.mlir import ir
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils
+
+  name = jnp.dtype(dtype).name
+  cvt = _CVT[name]
+  asm = ("{ .reg .b32 p; .reg .b16 e, o;\n"
+         + ("  prmt.b32 p, $2, 0, 0x3120;\n" if transposed else "  mov.b32 p, $2;\n")
+         + "  mov.b32 {e, o}, p;\n" + cvt.format(d="$0", s="e") + cvt.format(d="$1", s="o")
+         + "}")
+  out = plgpu.ShapeDtypeStruct(x.shape, dtype, layout=WGMMA)
+
+  @plgpu.inline_mgpu(arg_types=(WGMMA,), return_type=(out, out))
+  def split(_, regs):
+    i32 = ir.IntegerType.get_signless(32)
+    elem = ir.F16Type.get() if name == "float16" else ir.BF16Type.get()
+    vec = ir.VectorType.get((2,), elem)
+    first, second = np.empty_like(regs.registers), np.empty_like(regs.registers)
+    for idx, reg in np.ndenumerate(regs.registers):
+      lo, hi = utils.inline_ptx(asm, utils.bitcast(reg, i32), result_types=[i32, i32])
+      first[idx], second[idx] = utils.bitcast(lo, vec), utils.bitcast(hi, vec)
+    return tuple(mgpu.FragmentedArray(_registers=r, _layout=regs.layout, _is_signed=None)
+                 for r in (first, second))
+
+  return split(x)
+
+
+def score_columns(R: int) -> np.ndarray:
+  """The nope column of each K position of the register score product: in each 128 columns,
+  position ``64 h + 8 k + 2 q + i`` holds column ``16 k + 4 q + 2 h + i``."""
+  idx = np.arange(R).reshape(R // 128, 8, 4, 2, 2)      # (chunk, k, q, h, i) of a column
+  return idx.transpose(0, 3, 1, 2, 4).reshape(R)
+
+
+def value_rows(R: int) -> np.ndarray:
+  """The value column of each row of the register path's out^T: in each 128, row
+  ``64 s + r`` holds column ``2 r + s``."""
+  return np.arange(R).reshape(R // 128, 64, 2).transpose(0, 2, 1).reshape(R)
+
+
+def _stages(geo: Geometry, N: int) -> int:
+  for stages in range(MAX_STAGES, 1, -1):
+    if _smem_bytes(geo, N, stages) <= SMEM_LIMIT:
+      return stages
+  return 0
+
+
+def _smem_bytes(geo: Geometry, N: int, stages: int) -> int:
+  size = geo.dtype.itemsize
+  kb = lambda n: -(-n // 1024) * 1024     # every allocation is aligned to 1 KB
+  return (kb(N * (geo.R + geo.Rr) * size)                     # q
+          + stages * (kb(BLOCK_KV * geo.R) + kb(BLOCK_KV * geo.Rr * size) + kb(4 * BLOCK_KV))
+          + kb(N * BLOCK_KV * size) + kb(geo.R * N * size)    # P, out^T staging
+          + 2 * kb(4 * N) + 2048)                             # alpha / lse, sum, barriers
+
+
+def takes(geo: Geometry, config: DecodeConfig) -> str | None:
+  """None when this path runs the call, else why not."""
+  del config
+  if not geo.quantized:
+    return "the plain cache (this path reads per_token_head fp8)"
+  if geo.QR > MAX_ROWS:
+    return f"{geo.QR} query rows (s_q x H) per sequence (this path takes <= {MAX_ROWS})"
+  if geo.R % 128:
+    return f"R={geo.R} (this path takes R % 128 == 0)"
+  if not _stages(geo, padded_rows(geo.QR)):
+    return "shared memory: two stages do not fit"
+  return None
+
+
+def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
+        sm_scale: float, num_splits: int | None):
+  """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 2) (`PageTable`); returns
+  (out (B, QR, R), lse (B, QR))."""
+  QR = geo.QR
+  N = padded_rows(QR)
+  splits = num_splits or split_count(geo.B, 1, geo.max_blocks, num_sms(config))
+  if N != QR:
+    q2 = jnp.pad(q2, ((0, 0), (0, N - QR), (0, 0)))
+  build = functools.partial(
+      _build, B=geo.B, s_q=geo.s_q, H=geo.H, R=geo.R, Rr=geo.Rr, P=geo.P, N=N,
+      splits=splits, page_size=geo.page_size, dtype=geo.dtype, sm_scale=sm_scale,
+      stages=_stages(geo, N))
+  out, lse = common.dispatch(build, *operands, q2, meta)
+  out, lse = combine(out, lse, geo.dtype, rows_last=True)
+  return out[:, :QR], lse[:, :QR]
+
+
+def _build(interpret, *, R, **static):
+  """The kernel; on the GPU wrapped by the two XLA permutations of the register operands
+  (q's nope columns before, out^T's rows after: `score_columns`, `value_rows`)."""
+  kernel = _kernel(interpret, R=R, **static)
+  if interpret:
+    return kernel
+
+  def call(nope, scale, rope, q2, meta):
+    B, N, _ = q2.shape
+    nope_q = q2[..., :R].reshape(B, N, R // 128, 8, 4, 2, 2).transpose(0, 1, 2, 5, 3, 4, 6)
+    q2 = jnp.concatenate([nope_q.reshape(B, N, R), q2[..., R:]], axis=-1)   # score_columns
+    out, lse = kernel(nope, scale, rope, q2, meta)
+    B, S, _, N = out.shape                                                   # value_rows
+    out = out.reshape(B, S, R // 128, 2, 64, N).transpose(0, 1, 2, 4, 3, 5)
+    return out.reshape(B, S, R, N), lse
+
+  return call
+
+
+def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_scale,
+            stages):
+  pro = prologue(dtype, page_size, sm_scale)
+  tile, fp8_tile, copies, score_scale, row_vec, col_vec = pro
+  n_chunks = R // (2 * PAIRS)
+
+  def body(nope_ref, scale_ref, rope_ref, q_ref, meta_ref, out_ref, lse_ref,
+           q_smem, fp8_union, rope_smem, scale_smem, p_smem, o_smem, alpha_smem, l_smem,
+           *rest):
+    if interpret:
+      tiles, *rest = rest
+    q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free = rest
+    fp8_smem, u16_smem = fp8_union
+    prog = program(meta_ref, P, splits)
+    (_, ok_ref, _, masked_ref), b, sp, wg, length, first, n_steps = prog
+    ring_io = ring_loader(wg == 1, (nope_ref, rope_ref, scale_ref),
+                          (fp8_smem, rope_smem, scale_smem), prog, kv_bar=kv_bar,
+                          free_bar=free_bar, stages=stages, page_size=page_size, P=P)
+
+    def scores(slot):
+      """S^T (BLOCK_KV, N) of the block in `slot` (unscaled)."""
+      q_rope = q_smem.at[:, pl.ds(R, Rr)].transpose((1, 0))
+
+      def product(s_ref):
+        if interpret:
+          # Stand-in: the block converted into this stage's tile (read again for values).
+          convert_fp8(fp8_smem, tiles, (pl.ds(c, CONVERT_COLS) for c in range(0, R, CONVERT_COLS)),
+                      dtype, plgpu.Layout.WGMMA_UPCAST_2X, src_lead=(slot,), dst_lead=(slot,))
+          plgpu.commit_smem()
+          plgpu.wgmma(s_ref, tiles.at[slot], q_smem.at[:, pl.ds(0, R)].transpose((1, 0)))
+        else:
+          for c in range(n_chunks):
+            lo, hi = fp8_operands(plgpu.load(u16_smem.at[slot, :, pl.ds(PAIRS * c, PAIRS)],
+                                             layout=WGMMA), dtype, transposed=False)
+            for h, a in enumerate((lo, hi)):
+              cols = pl.ds(2 * PAIRS * c + PAIRS * h, PAIRS)
+              plgpu.wgmma(s_ref, a, q_smem.at[:, cols].transpose((1, 0)))
+        plgpu.wgmma(s_ref, rope_smem.at[slot], q_rope)
+        return s_ref[...]
+
+      return pl.run_scoped(product, plgpu.ACC((BLOCK_KV, N), F32))
+
+    def values(slot, accs):
+      """accs (2 x n_chunks tiles of (64, N)) += V^T . P over the block in `slot`."""
+      p_t = p_smem.transpose((1, 0))
+      if interpret:
+        return tuple(accumulate(acc, tiles.at[slot, :, pl.ds(64 * m, 64)].transpose((1, 0)),
+                                p_t, interpret) for m, acc in enumerate(accs))
+
+      def products(refs):
+        for c in range(n_chunks):
+          pairs = plgpu.load(u16_smem.at[slot, :, pl.ds(PAIRS * c, PAIRS)].transpose((1, 0)),
+                             layout=WGMMA)
+          for s, a in enumerate(fp8_operands(pairs, dtype, transposed=True)):
+            plgpu.wgmma(refs[2 * c + s], a, p_t)
+
+      return pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in accs))
+
+    @pl.when(wg == 0)
+    def _softmax():
+      plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
+      plgpu.barrier_wait(q_bar)
+      tok = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, N), 0, layout=WGMMA)
+      qrow = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, N), 1, layout=WGMMA)
+      # Query j (row r = j * H + h) sees positions <= length - s_q + j.
+      limit = length - s_q + lax.div(qrow, H)
+
+      @pl.loop(0, n_steps, init_carry=softmax_start(N, col_vec))
+      def carry(i, carry):
+        m_i, l_part = carry
+        slot = lax.rem(i, stages)
+        bad = page_flags(ok_ref, b, first + i, page_size=page_size, P=P)   # (loaded early)
+        with jax.named_scope("wait_kv"):      # (regions of common.PROFILE's trace)
+          plgpu.barrier_wait(kv_bar.at[slot])
+        with jax.named_scope("scores"):
+          s = scores(slot)
+        row_scale = lax.broadcast_in_dim(
+            plgpu.load(scale_smem.at[slot], layout=row_vec), (BLOCK_KV, N), [0])
+        plgpu.barrier_arrive(free_bar.at[slot])   # (this warpgroup is done with the stage)
+        with jax.named_scope("softmax"):
+          pos = masked_positions(tok, first + i, bad, page_size=page_size)
+          s = jnp.where(pos <= limit, s * row_scale * score_scale, -jnp.inf)
+          m_i, alpha, p, l_part = online_softmax(s, m_i, l_part, 0)
+          # (a masked row's scale may be NaN or inf: its weight 0 must stay 0)
+          p = jnp.where(pos <= limit, p * row_scale, 0.0)
+        with jax.named_scope("publish"):
+          publish_weights(i, p, alpha, p_smem=p_smem, alpha_smem=alpha_smem, p_free=p_free,
+                          p_ready=p_ready)
+        return m_i, l_part
+
+      m_i, l_part = carry
+      softmax_end(m_i, l_part, n_steps, l_smem=l_smem, staging=alpha_smem, p_free=p_free,
+                  dst=lse_ref.at[b, sp])
+      warpgroup_sync(sync_bar)      # the sums are in l_smem
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _values():
+      ring_io.start()
+      n_masked = masked_ref[b]
+      zero = plgpu.layout_cast(jnp.full((64, N), 0.0, F32), WGMMA)
+
+      @pl.loop(0, n_steps, init_carry=(zero,) * (R // 64))
+      def accs(i, accs):
+        slot = lax.rem(i, stages)
+        with jax.named_scope("wait_kv"):
+          plgpu.barrier_wait(kv_bar.at[slot])
+        with jax.named_scope("wait_p"):
+          plgpu.barrier_wait(p_ready)
+        with jax.named_scope("values"):
+          # The block's scores are done: this warpgroup alone reads the stage now.
+          zero_masked_rows(tiles.at[slot] if interpret else u16_smem.at[slot], first + i,
+                           length, lambda: page_flags(ok_ref, b, first + i,
+                                                      page_size=page_size, P=P),
+                           page_size=page_size, n_masked=n_masked)
+          alpha = lax.broadcast_in_dim(plgpu.load(alpha_smem, layout=col_vec), (64, N), [1])
+          accs = values(slot, tuple(acc * alpha for acc in accs))
+        plgpu.barrier_arrive(p_free)
+        plgpu.barrier_arrive(free_bar.at[slot])
+        ring_io.refill(i)
+        return accs
+
+      warpgroup_sync(sync_bar)
+      l_all = plgpu.load(l_smem, layout=col_vec)
+      has = l_all > 0
+      inv = lax.broadcast_in_dim(jnp.where(has, 1.0 / jnp.where(has, l_all, 1.0), 0.0),
+                                 (64, N), [1])
+      for m, acc in enumerate(accs):
+        o_smem.at[pl.ds(64 * m, 64)][...] = (acc * inv).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, sp])
+      plgpu.wait_smem_to_gmem(0)
+
+  smem = [
+      plgpu.SMEM((N, R + Rr), dtype, transforms=tile),                        # q
+      plgpu.RefUnion(plgpu.SMEM((stages, BLOCK_KV, R), FP8_E4M3, transforms=fp8_tile),
+                     plgpu.SMEM((stages, BLOCK_KV, R // 2), jnp.uint16,
+                            transforms=U16_TILE)),                            # fp8 nope ring
+      plgpu.SMEM((stages, BLOCK_KV, Rr), dtype, transforms=tile),             # rope ring
+      plgpu.SMEM((stages, BLOCK_KV), F32),                                    # scale ring
+      plgpu.SMEM((N, BLOCK_KV), dtype, transforms=tile),                      # P
+      plgpu.SMEM((R, N), dtype),                                              # out^T staging
+      plgpu.SMEM((N,), F32),                                                  # alpha, then lse
+      plgpu.SMEM((N,), F32),                                                  # the sums
+  ]
+  if interpret:
+    smem.append(plgpu.SMEM((stages, BLOCK_KV, R), dtype, transforms=tile))   # stand-in tiles
+  barriers = [
+      plgpu.Barrier(num_arrivals=1),                                   # q
+      plgpu.Barrier(num_arrivals=3 * copies, num_barriers=stages),     # block landed
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),              # stage free (both)
+      plgpu.Barrier(num_arrivals=2),                                   # both warpgroups
+      plgpu.Barrier(num_arrivals=1),                                   # P ready (wg 0 -> 1)
+      plgpu.Barrier(num_arrivals=1),                                   # P free (wg 1 -> 0)
+  ]
+  return decode_kernel(body, out_shape=(R, N), rows=N, dtype=dtype, scratch=smem + barriers,
+                       splits=splits, B=B, num_threads=2, name="mla_decode_registers",
+                       interpret=interpret)
