@@ -52,7 +52,8 @@ def main():
   table, lens, q = bench.decode_problem(rng, base, B, s_q, H, ctx)
   variants = [(f"{mode}-{path}-s{stages}", mode == "pth",
                kernel.DecodeConfig(path=path, stages=stages))
-              for mode in ("bf16", "pth") for path in kernel.PATHS for stages in (2, 3)]
+              for mode in ("bf16", "pth") for path in kernel.PATHS
+              for stages in ((2, 3, 4) if path == "registers" else (2, 3))]
   caches = {}
   if args.only:
     variants = [v for v in variants if v[0].startswith(tuple(args.only.split(",")))]

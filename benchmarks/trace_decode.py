@@ -11,7 +11,7 @@ steady-state blocks (the first two blocks of every program left out) and the med
 period of the warpgroup's first region:
 
     python benchmarks/trace_decode.py [--shape B,s_q,H,ctx] [--mode pth|bf16]
-        [--path converter|narrow|wide] [--space 64] [--out DIR] [--timeline PROGRAM]
+        [--path registers|converter|narrow|wide] [--space 64] [--out DIR] [--timeline PROGRAM]
 
 GPU only (the interpreter has no profiler). The record buffer takes shared memory (16
 bytes an event a warpgroup): keep ``--space`` small for kernels that fill it (the wide
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-WARPGROUPS = {"converter": 4, "narrow": 2, "wide": 2}
+WARPGROUPS = {"registers": 3, "converter": 4, "narrow": 2, "wide": 2}
 
 
 def summarize(trace: dict, warpgroups: int, skip: int = 2) -> dict:

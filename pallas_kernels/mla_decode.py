@@ -68,12 +68,13 @@ class DecodeConfig:
   """Static tiling of the decode kernels.
 
   Attributes:
-    stages: KV blocks in flight (shared-memory ring depth).
+    stages: KV blocks in flight (shared-memory ring depth); None: the path's own (2 for
+      "narrow" and "wide"; "registers": the deepest ring that fits, at most 4).
     num_sms: multiprocessors to fill when choosing the split count (None: the device's).
     path: one of `PATHS` to force it (None: the first that takes the call).
   """
 
-  stages: int = 2
+  stages: int | None = None
   num_sms: int | None = None
   path: str | None = None
 

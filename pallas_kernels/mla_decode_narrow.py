@@ -86,8 +86,8 @@ def takes(geo: Geometry, config: DecodeConfig) -> str | None:
     return f"{geo.QR} query rows (s_q x H) per sequence (this path takes <= {MAX_ROWS})"
   if geo.R // 2 > 256 or geo.R % 128:
     return f"R={geo.R} (this path takes R % 128 == 0 and R <= 512)"
-  if _smem_bytes(geo, config.stages) > SMEM_LIMIT:
-    return f"shared memory: {config.stages} stages do not fit"
+  if _smem_bytes(geo, config.stages or 2) > SMEM_LIMIT:
+    return f"shared memory: {config.stages or 2} stages do not fit"
   return None
 
 
@@ -103,7 +103,7 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
   build = functools.partial(
       _kernel, B=geo.B, s_q=geo.s_q, H=geo.H, R=geo.R, Rr=geo.Rr, P=geo.P, N=N,
       splits=splits, page_size=geo.page_size, dtype=geo.dtype, quantized=geo.quantized,
-      sm_scale=sm_scale, stages=config.stages)
+      sm_scale=sm_scale, stages=config.stages or 2)
   out, lse = common.dispatch(build, *operands, q2, meta)
   out, lse = combine(out, lse, geo.dtype, rows_last=True)
   return out[:, :QR], lse[:, :QR]

@@ -83,7 +83,7 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
   build = functools.partial(
       _decode_kernel, B=geo.B, s_q=geo.s_q, H=geo.H, R=geo.R, Rr=geo.Rr, P=geo.P, QRp=QRp,
       tile_rows=min(QRp, BLOCK_M), m_tiles=m_tiles, splits=splits, page_size=geo.page_size,
-      dtype=geo.dtype, quantized=geo.quantized, sm_scale=sm_scale, stages=config.stages)
+      dtype=geo.dtype, quantized=geo.quantized, sm_scale=sm_scale, stages=config.stages or 2)
   out, lse = common.dispatch(build, *operands, q2, meta)
   out, lse = combine(out, lse, geo.dtype)
   return out[:, :QR], lse[:, :QR]
