@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-WARPGROUPS = {"registers": 3, "converter": 4, "narrow": 2, "wide": 2}
+WARPGROUPS = {"registers": 2, "converter": 4, "narrow": 2, "wide": 2}
 
 
 def summarize(trace: dict, warpgroups: int, skip: int = 2) -> dict:

@@ -11,29 +11,29 @@ through f16 and float32 as Mosaic does): 0.74 and 0.67 us, and no tile at all.
     S^T (64 tokens x N)   = K (64 x R) . Q^T + K_rope (64 x Rr) . Q_rope^T
     out^T (R x N)        += V^T (R x 64) . P^T (64 x N)     (V = K: the fp8 nope plane)
 
-* Scores: the ring's fp8 block read as 16-bit column pairs in the WGMMA
+* Scores (warpgroup 0): the ring's fp8 block read as 16-bit column pairs in the WGMMA
   register layout gives a thread 4 consecutive columns of a token per 32-bit register;
   its two halves become the A operands of two 64-column products whose K positions are a
   fixed permutation of the 128 columns (`score_columns`): q's nope columns are gathered
   by it before the kernel (one XLA transpose), so S^T is unchanged.
-* Values: Mosaic's 16-bit transposed shared-memory load
+* Values (warpgroup 1, all R columns): Mosaic's 16-bit transposed shared-memory load
   (``ldmatrix.trans``) gives a thread columns (2j, 2j+1) of tokens (t, t+1) per register;
   one ``prmt`` splits them into the two columns' token pairs: the A operands of two 64-row
   tiles of V^T, of the even and the odd columns of 128. out^T's rows come out in that
   order (`value_rows`), undone after the kernel (one XLA transpose, fused with the merge
   of the splits).
-* Three warpgroups (a launch of 384 threads: at most 168 registers a thread, which the
-  register operands fit; no converted tile frees their shared memory for a deeper ring):
-  - 0 computes S^T over the first `SCORE_CHUNKS` chunks of 128 nope columns and the rope
-    plane, adds warpgroup 1's part, runs the online softmax (scale folded into the scores
-    and the weights) and hands P and alpha to warpgroups 1 and 2;
-  - 1 computes S^T over the other chunks of the next block (through a double-buffered
-    float32 tile) and accumulates the values of the first half of the columns;
-  - 2 accumulates the values of the second half and refills the ring
-    (`mla_decode_parts.ring_loader`; `DecodeConfig.stages`, by default the deepest ring
-    that fits, up to `MAX_STAGES`).
-  Before its values each warpgroup zeroes the rows of its columns that no query may see in
-  the raw fp8 block (0 x NaN).
+* Two warpgroups (as "narrow", without conversions): warpgroup 0 computes S^T, the online
+  softmax (scale folded into the scores and the weights), hands P and alpha to warpgroup
+  1 and goes on to the next block while warpgroup 1 accumulates the values, zeroes the
+  rows no query may see in the raw fp8 block first (0 x NaN), and refills the ring
+  (`mla_decode_parts.ring_loader`). With no converted tile the ring is deeper
+  (`DecodeConfig.stages`; by default the deepest that fits, up to `MAX_STAGES`).
+
+  A third warpgroup taking half the score product and half the values (384 threads, at
+  most 168 registers a thread) was built and measured: no faster (H100, B = 64, 16 heads,
+  context 4096: 66.1 vs 67.1 us; B = 128, context 16384: 446.3 vs 448.5;
+  `logs/2026-12-06c_diag_decode_registers_3wg_not_kept_h100.log`): the warpgroups share
+  the multiprocessor's issue slots, so splitting the conversions does not shorten them.
 
 Interpret mode (CPU tests) has no ``inline_mgpu`` and no register A operands: there the
 blocks are converted into a shared tile per stage and the products read it (the "narrow"
@@ -65,8 +65,6 @@ from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_f
 
 MAX_ROWS = 32
 MAX_STAGES = 4
-SCORE_CHUNKS = 2        # of the R / 128 nope column chunks, warpgroup 0 scores these first
-                        # ones and warpgroup 1 the others
 PAIRS = 64              # 16-bit column pairs a load: 128 fp8 columns
 # The fp8 ring's bytes seen as 16-bit column pairs (the same tiles of 8 x 64 bytes, the
 # same 64-byte swizzle as `Prologue.fp8_tile`).
@@ -148,7 +146,6 @@ def _smem_bytes(geo: Geometry, N: int, stages: int) -> int:
   kb = lambda n: -(-n // 1024) * 1024     # every allocation is aligned to 1 KB
   return (kb(N * (geo.R + geo.Rr) * size)                     # q
           + stages * (kb(BLOCK_KV * geo.R) + kb(BLOCK_KV * geo.Rr * size) + kb(4 * BLOCK_KV))
-          + kb(2 * BLOCK_KV * N * 4)                          # partial S^T
           + kb(N * BLOCK_KV * size) + kb(geo.R * N * size)    # P, out^T staging
           + 2 * kb(4 * N) + 2048)                             # alpha / lse, sum, barriers
 
@@ -207,97 +204,59 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
             stages):
   pro = prologue(dtype, page_size, sm_scale)
   tile, fp8_tile, copies, score_scale, row_vec, col_vec = pro
-  n_chunks = R // (2 * PAIRS)                       # 128 nope columns a chunk
-  own_scores = range(0, min(SCORE_CHUNKS, n_chunks))         # warpgroup 0's score chunks
-  lent_scores = range(len(own_scores), n_chunks)             # warpgroup 1's
-  value_chunks = (range(0, n_chunks // 2), range(n_chunks // 2, n_chunks))   # wg 1, wg 2
-  col_range = lambda chunks: pl.ds(2 * PAIRS * chunks[0], 2 * PAIRS * len(chunks))
+  n_chunks = R // (2 * PAIRS)
 
   def body(nope_ref, scale_ref, rope_ref, q_ref, meta_ref, out_ref, lse_ref,
-           q_smem, fp8_union, rope_smem, scale_smem, s_smem, p_smem, o_smem, alpha_smem,
-           l_smem, *rest):
+           q_smem, fp8_union, rope_smem, scale_smem, p_smem, o_smem, alpha_smem, l_smem,
+           *rest):
     if interpret:
       tiles, *rest = rest
-    q_bar, kv_bar, free_bar, s_ready, s_free, p_ready, p_free, sync_bar = rest
+    q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free = rest
     fp8_smem, u16_smem = fp8_union
     prog = program(meta_ref, P, splits)
     (_, ok_ref, _, masked_ref), b, sp, wg, length, first, n_steps = prog
-    ring_io = ring_loader(wg == 2, (nope_ref, rope_ref, scale_ref),
+    ring_io = ring_loader(wg == 1, (nope_ref, rope_ref, scale_ref),
                           (fp8_smem, rope_smem, scale_smem), prog, kv_bar=kv_bar,
                           free_bar=free_bar, stages=stages, page_size=page_size, P=P)
 
-    def score_product(s_ref, slot, chunks):
-      """Issue s_ref += K q^T over the nope columns of `chunks` of the block in `slot`."""
-      if not chunks:
-        return
-      if interpret:
-        # Stand-in: these columns converted into the stage's tile (the values read it too).
-        convert_fp8(fp8_smem, tiles, (pl.ds(c, CONVERT_COLS) for c in range(
-            2 * PAIRS * chunks[0], 2 * PAIRS * (chunks[-1] + 1), CONVERT_COLS)),
-                    dtype, plgpu.Layout.WGMMA_UPCAST_2X, src_lead=(slot,), dst_lead=(slot,))
-        plgpu.commit_smem()
-        cols = col_range(chunks)
-        plgpu.wgmma(s_ref, tiles.at[slot, :, cols], q_smem.at[:, cols].transpose((1, 0)))
-        return
-      for c in chunks:
-        lo, hi = fp8_operands(plgpu.load(u16_smem.at[slot, :, pl.ds(PAIRS * c, PAIRS)],
-                                         layout=WGMMA), dtype, transposed=False)
-        for h, a in enumerate((lo, hi)):
-          cols = pl.ds(2 * PAIRS * c + PAIRS * h, PAIRS)
-          plgpu.wgmma(s_ref, a, q_smem.at[:, cols].transpose((1, 0)))
+    def scores(slot):
+      """S^T (BLOCK_KV, N) of the block in `slot` (unscaled)."""
+      q_rope = q_smem.at[:, pl.ds(R, Rr)].transpose((1, 0))
 
-    p_t = p_smem.transpose((1, 0))
-
-    def accumulate_values(i, accs, chunks, n_masked):
-      """Values of block i over `chunks` (warpgroups 1 and 2), once P is published
-      (`n_masked`: the sequence's masked pages, as `zero_masked_rows` takes it)."""
-      slot = lax.rem(i, stages)
-      with jax.named_scope("wait_p"):
-        plgpu.barrier_wait(p_ready)
-      with jax.named_scope("values"):
-        # The block's scores are done: this warpgroup alone reads these columns now.
-        view = (tiles.at[slot, :, col_range(chunks)] if interpret else
-                u16_smem.at[slot, :, pl.ds(PAIRS * chunks[0], PAIRS * len(chunks))])
-        zero_masked_rows(view, first + i, length,
-                         lambda: page_flags(ok_ref, b, first + i, page_size=page_size, P=P),
-                         page_size=page_size, n_masked=n_masked)
-        alpha = lax.broadcast_in_dim(plgpu.load(alpha_smem, layout=col_vec), (64, N), [1])
-        accs = tuple(acc * alpha for acc in accs)
+      def product(s_ref):
         if interpret:
-          accs = tuple(accumulate(acc, tiles.at[slot, :, pl.ds(
-              2 * PAIRS * chunks[0] + 64 * m, 64)].transpose((1, 0)), p_t, interpret)
-                       for m, acc in enumerate(accs))
+          # Stand-in: the block converted into this stage's tile (read again for values).
+          convert_fp8(fp8_smem, tiles, (pl.ds(c, CONVERT_COLS) for c in range(0, R, CONVERT_COLS)),
+                      dtype, plgpu.Layout.WGMMA_UPCAST_2X, src_lead=(slot,), dst_lead=(slot,))
+          plgpu.commit_smem()
+          plgpu.wgmma(s_ref, tiles.at[slot], q_smem.at[:, pl.ds(0, R)].transpose((1, 0)))
         else:
-          def products(refs):
-            for k, c in enumerate(chunks):
-              pairs = plgpu.load(
-                  u16_smem.at[slot, :, pl.ds(PAIRS * c, PAIRS)].transpose((1, 0)),
-                  layout=WGMMA)
-              for s, a in enumerate(fp8_operands(pairs, dtype, transposed=True)):
-                plgpu.wgmma(refs[2 * k + s], a, p_t)
+          for c in range(n_chunks):
+            lo, hi = fp8_operands(plgpu.load(u16_smem.at[slot, :, pl.ds(PAIRS * c, PAIRS)],
+                                             layout=WGMMA), dtype, transposed=False)
+            for h, a in enumerate((lo, hi)):
+              cols = pl.ds(2 * PAIRS * c + PAIRS * h, PAIRS)
+              plgpu.wgmma(s_ref, a, q_smem.at[:, cols].transpose((1, 0)))
+        plgpu.wgmma(s_ref, rope_smem.at[slot], q_rope)
+        return s_ref[...]
 
-          accs = pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in accs))
-      plgpu.barrier_arrive(p_free)
-      plgpu.barrier_arrive(free_bar.at[slot])
-      return accs
+      return pl.run_scoped(product, plgpu.ACC((BLOCK_KV, N), F32))
 
-    def write_out(accs, chunks):
-      """Warpgroups 1 and 2: out^T / sum over `chunks` (rows 128 c .. of the staging)."""
-      warpgroup_sync(sync_bar)                 # the sums are in l_smem
-      l_all = plgpu.load(l_smem, layout=col_vec)
-      has = l_all > 0
-      inv = lax.broadcast_in_dim(jnp.where(has, 1.0 / jnp.where(has, l_all, 1.0), 0.0),
-                                 (64, N), [1])
-      base = 2 * PAIRS * chunks[0]
-      for m, acc in enumerate(accs):
-        o_smem.at[pl.ds(base + 64 * m, 64)][...] = (acc * inv).astype(dtype)
-      plgpu.commit_smem()
-      rows = pl.ds(base, 2 * PAIRS * len(chunks))
-      plgpu.copy_smem_to_gmem(o_smem.at[rows], out_ref.at[b, sp, rows])
-      plgpu.wait_smem_to_gmem(0)
+    def values(slot, accs):
+      """accs (2 x n_chunks tiles of (64, N)) += V^T . P over the block in `slot`."""
+      p_t = p_smem.transpose((1, 0))
+      if interpret:
+        return tuple(accumulate(acc, tiles.at[slot, :, pl.ds(64 * m, 64)].transpose((1, 0)),
+                                p_t, interpret) for m, acc in enumerate(accs))
 
-    zero_tiles = lambda chunks: (plgpu.layout_cast(jnp.full((64, N), 0.0, F32), WGMMA),) * (
-        2 * len(chunks))
+      def products(refs):
+        for c in range(n_chunks):
+          pairs = plgpu.load(u16_smem.at[slot, :, pl.ds(PAIRS * c, PAIRS)].transpose((1, 0)),
+                             layout=WGMMA)
+          for s, a in enumerate(fp8_operands(pairs, dtype, transposed=True)):
+            plgpu.wgmma(refs[2 * c + s], a, p_t)
+
+      return pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in accs))
 
     @pl.when(wg == 0)
     def _softmax():
@@ -307,7 +266,6 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       qrow = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, N), 1, layout=WGMMA)
       # Query j (row r = j * H + h) sees positions <= length - s_q + j.
       limit = length - s_q + lax.div(qrow, H)
-      q_rope = q_smem.at[:, pl.ds(R, Rr)].transpose((1, 0))
 
       @pl.loop(0, n_steps, init_carry=softmax_start(N, col_vec))
       def carry(i, carry):
@@ -316,22 +274,11 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
         bad = page_flags(ok_ref, b, first + i, page_size=page_size, P=P)   # (loaded early)
         with jax.named_scope("wait_kv"):      # (regions of common.PROFILE's trace)
           plgpu.barrier_wait(kv_bar.at[slot])
-
-        def product(s_ref):
-          score_product(s_ref, slot, own_scores)
-          plgpu.wgmma(s_ref, rope_smem.at[slot], q_rope)
-          return s_ref[...]
-
         with jax.named_scope("scores"):
-          s = pl.run_scoped(product, plgpu.ACC((BLOCK_KV, N), F32))
+          s = scores(slot)
         row_scale = lax.broadcast_in_dim(
             plgpu.load(scale_smem.at[slot], layout=row_vec), (BLOCK_KV, N), [0])
         plgpu.barrier_arrive(free_bar.at[slot])   # (this warpgroup is done with the stage)
-        if lent_scores:
-          with jax.named_scope("wait_s"):
-            plgpu.barrier_wait(s_ready.at[lax.rem(i, 2)])
-          s = s + plgpu.load(s_smem.at[lax.rem(i, 2)], layout=WGMMA)
-          plgpu.barrier_arrive(s_free.at[lax.rem(i, 2)])
         with jax.named_scope("softmax"):
           pos = masked_positions(tok, first + i, bad, page_size=page_size)
           s = jnp.where(pos <= limit, s * row_scale * score_scale, -jnp.inf)
@@ -346,81 +293,53 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       m_i, l_part = carry
       softmax_end(m_i, l_part, n_steps, l_smem=l_smem, staging=alpha_smem, p_free=p_free,
                   dst=lse_ref.at[b, sp])
-      warpgroup_sync(sync_bar)                 # the sums are in l_smem
+      warpgroup_sync(sync_bar)      # the sums are in l_smem
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
-    def _scores_and_values():
-      chunks = value_chunks[0]
+    def _values():
+      ring_io.start()
       n_masked = masked_ref[b]
-      plgpu.barrier_wait(q_bar)
+      zero = plgpu.layout_cast(jnp.full((64, N), 0.0, F32), WGMMA)
 
-      def lend_scores(i):
-        """Block i's score product over `lent_scores`, handed to warpgroup 0."""
-        slot, j = lax.rem(i, stages), lax.rem(i, 2)
+      @pl.loop(0, n_steps, init_carry=(zero,) * (R // 64))
+      def accs(i, accs):
+        slot = lax.rem(i, stages)
         with jax.named_scope("wait_kv"):
           plgpu.barrier_wait(kv_bar.at[slot])
-        if not lent_scores:
-          return
-        with jax.named_scope("scores"):
-          def product(s_ref):
-            score_product(s_ref, slot, lent_scores)
-            return s_ref[...]
-
-          s = pl.run_scoped(product, plgpu.ACC((BLOCK_KV, N), F32))
-
-        @pl.when(i >= 2)
-        def _():
-          plgpu.barrier_wait(s_free.at[j])    # warpgroup 0 read block i - 2's
-        s_smem.at[j][...] = s
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(s_ready.at[j])
-
-      @pl.when(n_steps > 0)
-      def _():
-        lend_scores(0)
-
-      @pl.loop(1, n_steps, init_carry=zero_tiles(chunks))
-      def accs(i, accs):
-        lend_scores(i)
-        return accumulate_values(i - 1, accs, chunks, n_masked)
-
-      @pl.loop(jnp.maximum(n_steps - 1, 0), n_steps, init_carry=accs)
-      def accs(i, accs):
-        return accumulate_values(i, accs, chunks, n_masked)
-
-      if lent_scores:
-        # Observe warpgroup 0's last two reads, so that every barrier phase is consumed
-        # when the program ends (the interpreter checks it; on the GPU it costs nothing).
-        @pl.loop(jnp.maximum(n_steps - 2, 0), n_steps)
-        def _(i):
-          plgpu.barrier_wait(s_free.at[lax.rem(i, 2)])
-      write_out(accs, chunks)
-
-    @pl.when(wg == 2)
-    def _values_and_ring():
-      chunks = value_chunks[1]
-      n_masked = masked_ref[b]
-      ring_io.start()
-
-      @pl.loop(0, n_steps, init_carry=zero_tiles(chunks))
-      def accs(i, accs):
-        with jax.named_scope("wait_kv"):
-          plgpu.barrier_wait(kv_bar.at[lax.rem(i, stages)])
-        accs = accumulate_values(i, accs, chunks, n_masked)
+        with jax.named_scope("wait_p"):
+          plgpu.barrier_wait(p_ready)
+        with jax.named_scope("values"):
+          # The block's scores are done: this warpgroup alone reads the stage now.
+          zero_masked_rows(tiles.at[slot] if interpret else u16_smem.at[slot], first + i,
+                           length, lambda: page_flags(ok_ref, b, first + i,
+                                                      page_size=page_size, P=P),
+                           page_size=page_size, n_masked=n_masked)
+          alpha = lax.broadcast_in_dim(plgpu.load(alpha_smem, layout=col_vec), (64, N), [1])
+          accs = values(slot, tuple(acc * alpha for acc in accs))
+        plgpu.barrier_arrive(p_free)
+        plgpu.barrier_arrive(free_bar.at[slot])
         ring_io.refill(i)
         return accs
 
-      write_out(accs, chunks)
+      warpgroup_sync(sync_bar)
+      l_all = plgpu.load(l_smem, layout=col_vec)
+      has = l_all > 0
+      inv = lax.broadcast_in_dim(jnp.where(has, 1.0 / jnp.where(has, l_all, 1.0), 0.0),
+                                 (64, N), [1])
+      for m, acc in enumerate(accs):
+        o_smem.at[pl.ds(64 * m, 64)][...] = (acc * inv).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, sp])
+      plgpu.wait_smem_to_gmem(0)
 
   smem = [
       plgpu.SMEM((N, R + Rr), dtype, transforms=tile),                        # q
       plgpu.RefUnion(plgpu.SMEM((stages, BLOCK_KV, R), FP8_E4M3, transforms=fp8_tile),
                      plgpu.SMEM((stages, BLOCK_KV, R // 2), jnp.uint16,
-                                transforms=U16_TILE)),                        # fp8 nope ring
+                            transforms=U16_TILE)),                            # fp8 nope ring
       plgpu.SMEM((stages, BLOCK_KV, Rr), dtype, transforms=tile),             # rope ring
       plgpu.SMEM((stages, BLOCK_KV), F32),                                    # scale ring
-      plgpu.SMEM((2, BLOCK_KV, N), F32),                      # warpgroup 1's partial S^T
       plgpu.SMEM((N, BLOCK_KV), dtype, transforms=tile),                      # P
       plgpu.SMEM((R, N), dtype),                                              # out^T staging
       plgpu.SMEM((N,), F32),                                                  # alpha, then lse
@@ -431,13 +350,11 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
   barriers = [
       plgpu.Barrier(num_arrivals=1),                                   # q
       plgpu.Barrier(num_arrivals=3 * copies, num_barriers=stages),     # block landed
-      plgpu.Barrier(num_arrivals=3, num_barriers=stages),              # stage free (all)
-      plgpu.Barrier(num_arrivals=1, num_barriers=2),                   # partial S^T ready
-      plgpu.Barrier(num_arrivals=1, num_barriers=2),                   # partial S^T read
-      plgpu.Barrier(num_arrivals=1),                                   # P ready (wg 0 -> 1, 2)
-      plgpu.Barrier(num_arrivals=2),                                   # P free (wg 1, 2 -> 0)
-      plgpu.Barrier(num_arrivals=3),                                   # the sums are ready
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),              # stage free (both)
+      plgpu.Barrier(num_arrivals=2),                                   # both warpgroups
+      plgpu.Barrier(num_arrivals=1),                                   # P ready (wg 0 -> 1)
+      plgpu.Barrier(num_arrivals=1),                                   # P free (wg 1 -> 0)
   ]
   return decode_kernel(body, out_shape=(R, N), rows=N, dtype=dtype, scratch=smem + barriers,
-                       splits=splits, B=B, num_threads=3, name="mla_decode_registers",
+                       splits=splits, B=B, num_threads=2, name="mla_decode_registers",
                        interpret=interpret)
