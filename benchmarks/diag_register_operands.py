@@ -52,16 +52,18 @@ U16_TILE = registers.U16_TILE                          # = the fp8 ring's bytes
 TILE16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 WGMMA = plgpu.Layout.WGMMA
 
-def convert_pairs(dtype: str, transposed: bool):
-  """`mla_decode_registers.fp8_operands` for arrays of any shape."""
+def operands(part: str, dtype: str):
+  """The registers path's operand conversion for `part`."""
   jdtype = jnp.float16 if dtype == "f16" else jnp.bfloat16
-  return lambda shape: (lambda x: registers.fp8_operands(x, jdtype, transposed=transposed))
+  if part == "values":
+    return lambda pairs: registers.value_operands(pairs, jdtype)
+  return lambda keys: registers.key_operand(keys, jdtype)
 
 
 def kernel(part: str, way: str, repeats: int):
   pro = parts.prologue(jnp.bfloat16, 64, 1.0)
   dtype = jnp.float16 if way == "f16" else jnp.bfloat16
-  split = None if way == "tile" else convert_pairs(way, transposed=part == "values")
+  convert = None if way == "tile" else operands(part, way)
   out_shape = (R // 64, 64, N) if part == "values" else (64, N)
   n_acc = R // 64 if part == "values" else 1
 
@@ -86,18 +88,16 @@ def kernel(part: str, way: str, repeats: int):
       else:
         def products(refs):
           for c in range(R // (2 * CHUNK)):
-            src = v_smem.at[:, pl.ds(CHUNK * c, CHUNK)]
             if part == "values":
-              pairs = plgpu.load(src.transpose((1, 0)), layout=WGMMA)
-              even, odd = split(pairs.shape)(pairs)
+              src = v_smem.at[:, pl.ds(CHUNK * c, CHUNK)]
+              even, odd = convert(plgpu.load(src.transpose((1, 0)), layout=WGMMA))
               plgpu.wgmma(refs[2 * c], even, b_smem.transpose((1, 0)))
               plgpu.wgmma(refs[2 * c + 1], odd, b_smem.transpose((1, 0)))
             else:
-              lo, hi = split((T, CHUNK))(plgpu.load(src, layout=WGMMA))
-              base = 2 * CHUNK * c
-              plgpu.wgmma(refs[0], lo, b_smem.at[:, pl.ds(base, CHUNK)].transpose((1, 0)))
-              plgpu.wgmma(refs[0], hi,
-                          b_smem.at[:, pl.ds(base + CHUNK, CHUNK)].transpose((1, 0)))
+              for h in range(2):
+                cols = pl.ds(2 * CHUNK * c + CHUNK * h, CHUNK)
+                key = convert(plgpu.load(v_smem.at[:, cols], layout=WGMMA))
+                plgpu.wgmma(refs[0], key, b_smem.at[:, cols].transpose((1, 0)))
       return pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in accs))
 
     zero = plgpu.layout_cast(jnp.zeros((64, N), F32), WGMMA)
@@ -108,8 +108,9 @@ def kernel(part: str, way: str, repeats: int):
     plgpu.copy_smem_to_gmem(o_smem, o_ref)
     plgpu.wait_smem_to_gmem(0)
 
-  v_type = (plgpu.SMEM((T, R), FP8, transforms=pro.fp8_tile) if way == "tile"
-            else plgpu.SMEM((T, R // 2), jnp.uint16, transforms=U16_TILE))
+  v_type = (plgpu.SMEM((T, R // 2), jnp.uint16, transforms=U16_TILE)
+            if way != "tile" and part == "values"
+            else plgpu.SMEM((T, R), FP8, transforms=pro.fp8_tile))
   b_type = plgpu.SMEM((N, T) if part == "values" else (N, R), dtype, transforms=TILE16)
   return plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct(out_shape, F32),
@@ -124,7 +125,8 @@ def problem(part: str, way: str, rng):
   codes[(codes & 0x7F) == 0x7F] = 0                 # no NaN codes
   v = np.asarray(jnp.asarray(codes.view(FP8)).astype(F32)).astype(np.float64)
   dtype = jnp.float16 if way == "f16" else jnp.bfloat16
-  v_in = jnp.asarray(codes.view(FP8)) if way == "tile" else jnp.asarray(codes.view(np.uint16))
+  v_in = (jnp.asarray(codes.view(np.uint16)) if way != "tile" and part == "values"
+          else jnp.asarray(codes.view(FP8)))
   if part == "values":
     p = jnp.asarray(rng.random((N, T), dtype=np.float32)).astype(dtype)
     out_t = v.T @ np.asarray(p.astype(F32)).astype(np.float64).T        # (512, N)
@@ -133,8 +135,6 @@ def problem(part: str, way: str, rng):
     return (v_in, p), out_t.reshape(R // 64, 64, N)
   q = jnp.asarray(rng.standard_normal((N, R), dtype=np.float32)).astype(dtype)
   want = v @ np.asarray(q.astype(F32)).astype(np.float64).T            # (64, N)
-  if way != "tile":
-    q = q[:, registers.score_columns(R)]
   return (v_in, q), want
 
 

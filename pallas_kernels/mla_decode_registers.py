@@ -11,17 +11,15 @@ through f16 and float32 as Mosaic does): 0.74 and 0.67 us, and no tile at all.
     S^T (64 tokens x N)   = K (64 x R) . Q^T + K_rope (64 x Rr) . Q_rope^T
     out^T (R x N)        += V^T (R x 64) . P^T (64 x N)     (V = K: the fp8 nope plane)
 
-* Scores (warpgroup 0): the ring's fp8 block read as 16-bit column pairs in the WGMMA
-  register layout gives a thread 4 consecutive columns of a token per 32-bit register;
-  its two halves become the A operands of two 64-column products whose K positions are a
-  fixed permutation of the 128 columns (`score_columns`): q's nope columns are gathered
-  by it before the kernel (one XLA transpose), so S^T is unchanged.
-* Values (warpgroup 1, all R columns): Mosaic's 16-bit transposed shared-memory load
-  (``ldmatrix.trans``) gives a thread columns (2j, 2j+1) of tokens (t, t+1) per register;
-  one ``prmt`` splits them into the two columns' token pairs: the A operands of two 64-row
-  tiles of V^T, of the even and the odd columns of 128. out^T's rows come out in that
-  order (`value_rows`), undone after the kernel (one XLA transpose, fused with the merge
-  of the splits).
+* Scores: the ring's fp8 block loaded in the WGMMA register layout gives a thread 2
+  consecutive columns of a token per 16-bit register, which ``cvt.rn.f16x2.e4m3x2`` (for
+  bf16 then through float32) turns into the A operand's register: S^T = K Q^T as it is.
+* Values: Mosaic's 16-bit transposed shared-memory load (``ldmatrix.trans``) of the block
+  seen as column pairs gives a thread columns (2j, 2j+1) of tokens (t, t+1) per 32-bit
+  register; one ``prmt`` splits them into the two columns' token pairs: the A operands of
+  two 64-row tiles of V^T, of the even and the odd columns of 128 (`value_operands`). The
+  output staging puts the rows back in column order (a (R / 128, 64, 2, N) view: tile
+  2c + s, row r is column 128 c + 2 r + s).
 * Two warpgroups (as "narrow", without conversions): warpgroup 0 computes S^T, the online
   softmax (scale folded into the scores and the weights), hands P and alpha to warpgroup
   1 and goes on to the next block while warpgroup 1 accumulates the values, zeroes the
@@ -81,54 +79,49 @@ _CVT = {
 }
 
 
-def fp8_operands(x, dtype, *, transposed: bool):
-  """A (rows, 64) uint16 array in the WGMMA layout (each element two fp8 bytes) -> two
-  (rows, 64) `dtype` arrays in the WGMMA layout, the A operands of two products.
-
-  A 32-bit register of `x` holds 4 fp8 bytes b0..b3. ``transposed`` (a transposed load of
-  column pairs: rows are pairs (2j, 2j+1), columns tokens): b0, b1 are the pair of token t,
-  b2, b3 that of token t+1; the outputs hold column 2j's (b0, b2) and column 2j+1's
-  (b1, b3) token pairs. Otherwise (rows are tokens) b0..b3 are 4 consecutive columns; the
-  outputs hold (b0, b1) and (b2, b3). GPU only (``inline_mgpu``).
-  """
+def _convert(x, dtype, n_out: int, asm: str, in_bits: int):
+  """Registers of `x` (WGMMA layout) -> `n_out` `dtype` arrays of x's shape by the inline
+  PTX `asm` (operands: the n_out 32-bit results, then the register as an `in_bits` int)."""
   from jax._src.lib.mlir import ir
   from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.mosaic.gpu import utils
 
-  name = jnp.dtype(dtype).name
-  cvt = _CVT[name]
-  asm = ("{ .reg .b32 p; .reg .b16 e, o;\n"
-         + ("  prmt.b32 p, $2, 0, 0x3120;\n" if transposed else "  mov.b32 p, $2;\n")
-         + "  mov.b32 {e, o}, p;\n" + cvt.format(d="$0", s="e") + cvt.format(d="$1", s="o")
-         + "}")
   out = plgpu.ShapeDtypeStruct(x.shape, dtype, layout=WGMMA)
 
-  @plgpu.inline_mgpu(arg_types=(WGMMA,), return_type=(out, out))
-  def split(_, regs):
+  @plgpu.inline_mgpu(arg_types=(WGMMA,), return_type=(out,) * n_out)
+  def convert(_, regs):
     i32 = ir.IntegerType.get_signless(32)
-    elem = ir.F16Type.get() if name == "float16" else ir.BF16Type.get()
+    src = ir.IntegerType.get_signless(in_bits)
+    elem = ir.F16Type.get() if jnp.dtype(dtype) == jnp.float16 else ir.BF16Type.get()
     vec = ir.VectorType.get((2,), elem)
-    first, second = np.empty_like(regs.registers), np.empty_like(regs.registers)
+    outs = [np.empty_like(regs.registers) for _ in range(n_out)]
     for idx, reg in np.ndenumerate(regs.registers):
-      lo, hi = utils.inline_ptx(asm, utils.bitcast(reg, i32), result_types=[i32, i32])
-      first[idx], second[idx] = utils.bitcast(lo, vec), utils.bitcast(hi, vec)
-    return tuple(mgpu.FragmentedArray(_registers=r, _layout=regs.layout, _is_signed=None)
-                 for r in (first, second))
+      res = utils.inline_ptx(asm, utils.bitcast(reg, src), result_types=[i32] * n_out)
+      for o, r in zip(outs, res):
+        o[idx] = utils.bitcast(r, vec)
+    return tuple(mgpu.FragmentedArray(_registers=o, _layout=regs.layout, _is_signed=None)
+                 for o in outs)
 
-  return split(x)
-
-
-def score_columns(R: int) -> np.ndarray:
-  """The nope column of each K position of the register score product: in each 128 columns,
-  position ``64 h + 8 k + 2 q + i`` holds column ``16 k + 4 q + 2 h + i``."""
-  idx = np.arange(R).reshape(R // 128, 8, 4, 2, 2)      # (chunk, k, q, h, i) of a column
-  return idx.transpose(0, 3, 1, 2, 4).reshape(R)
+  return convert(x)
 
 
-def value_rows(R: int) -> np.ndarray:
-  """The value column of each row of the register path's out^T: in each 128, row
-  ``64 s + r`` holds column ``2 r + s``."""
-  return np.arange(R).reshape(R // 128, 64, 2).transpose(0, 2, 1).reshape(R)
+def key_operand(x, dtype):
+  """A (64 tokens, C) fp8 array loaded in the WGMMA layout (a register: 2 consecutive
+  columns of a token, 16 bits) -> the same in `dtype`, exactly: the A operand of S^T."""
+  (y,) = _convert(x, dtype, 1, _CVT[jnp.dtype(dtype).name].format(d="$0", s="$1"), 16)
+  return y
+
+
+def value_operands(pairs, dtype):
+  """A (64 column pairs, 64 tokens) uint16 array loaded transposed in the WGMMA layout (a
+  register: columns (2j, 2j+1) of tokens (t, t+1), 4 fp8 bytes b0..b3) -> the A operands
+  of two 64-row tiles of V^T in `dtype`, exactly: the even columns' (b0, b2) token pairs
+  and the odd columns' (b1, b3), split by one ``prmt``."""
+  cvt = _CVT[jnp.dtype(dtype).name]
+  asm = ("{ .reg .b32 p; .reg .b16 e, o;\n  prmt.b32 p, $2, 0, 0x3120;\n"
+         "  mov.b32 {e, o}, p;\n" + cvt.format(d="$0", s="e") + cvt.format(d="$1", s="o")
+         + "}")
+  return _convert(pairs, dtype, 2, asm, 32)
 
 
 def _stages(geo: Geometry, config: DecodeConfig) -> int:
@@ -173,31 +166,12 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
   if N != QR:
     q2 = jnp.pad(q2, ((0, 0), (0, N - QR), (0, 0)))
   build = functools.partial(
-      _build, B=geo.B, s_q=geo.s_q, H=geo.H, R=geo.R, Rr=geo.Rr, P=geo.P, N=N,
+      _kernel, B=geo.B, s_q=geo.s_q, H=geo.H, R=geo.R, Rr=geo.Rr, P=geo.P, N=N,
       splits=splits, page_size=geo.page_size, dtype=geo.dtype, sm_scale=sm_scale,
       stages=_stages(geo, config))
   out, lse = common.dispatch(build, *operands, q2, meta)
-  out, lse = combine(out, lse, geo.dtype, rows_last=True)
+  out, lse = combine(out.reshape(*out.shape[:2], geo.R, N), lse, geo.dtype, rows_last=True)
   return out[:, :QR], lse[:, :QR]
-
-
-def _build(interpret, *, R, **static):
-  """The kernel; on the GPU wrapped by the two XLA permutations of the register operands
-  (q's nope columns before, out^T's rows after: `score_columns`, `value_rows`)."""
-  kernel = _kernel(interpret, R=R, **static)
-  if interpret:
-    return kernel
-
-  def call(nope, scale, rope, q2, meta):
-    B, N, _ = q2.shape
-    nope_q = q2[..., :R].reshape(B, N, R // 128, 8, 4, 2, 2).transpose(0, 1, 2, 5, 3, 4, 6)
-    q2 = jnp.concatenate([nope_q.reshape(B, N, R), q2[..., R:]], axis=-1)   # score_columns
-    out, lse = kernel(nope, scale, rope, q2, meta)
-    B, S, _, N = out.shape                                                   # value_rows
-    out = out.reshape(B, S, R // 128, 2, 64, N).transpose(0, 1, 2, 4, 3, 5)
-    return out.reshape(B, S, R, N), lse
-
-  return call
 
 
 def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_scale,
@@ -231,29 +205,29 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
           plgpu.commit_smem()
           plgpu.wgmma(s_ref, tiles.at[slot], q_smem.at[:, pl.ds(0, R)].transpose((1, 0)))
         else:
-          for c in range(n_chunks):
-            lo, hi = fp8_operands(plgpu.load(u16_smem.at[slot, :, pl.ds(PAIRS * c, PAIRS)],
-                                             layout=WGMMA), dtype, transposed=False)
-            for h, a in enumerate((lo, hi)):
-              cols = pl.ds(2 * PAIRS * c + PAIRS * h, PAIRS)
-              plgpu.wgmma(s_ref, a, q_smem.at[:, cols].transpose((1, 0)))
+          for c in range(0, R, CONVERT_COLS):
+            cols = pl.ds(c, CONVERT_COLS)
+            key = key_operand(plgpu.load(fp8_smem.at[slot, :, cols], layout=WGMMA), dtype)
+            plgpu.wgmma(s_ref, key, q_smem.at[:, cols].transpose((1, 0)))
         plgpu.wgmma(s_ref, rope_smem.at[slot], q_rope)
         return s_ref[...]
 
       return pl.run_scoped(product, plgpu.ACC((BLOCK_KV, N), F32))
 
     def values(slot, accs):
-      """accs (2 x n_chunks tiles of (64, N)) += V^T . P over the block in `slot`."""
+      """accs += V^T . P over the block in `slot`: tile 2c + s holds the columns
+      128 c + s + 2 r (r < 64), as `value_operands` makes them."""
       p_t = p_smem.transpose((1, 0))
       if interpret:
-        return tuple(accumulate(acc, tiles.at[slot, :, pl.ds(64 * m, 64)].transpose((1, 0)),
-                                p_t, interpret) for m, acc in enumerate(accs))
+        return tuple(accumulate(
+            acc, tiles.at[slot, :, pl.ds(2 * PAIRS * (m // 2) + m % 2, 64, stride=2)].transpose(
+                (1, 0)), p_t, interpret) for m, acc in enumerate(accs))
 
       def products(refs):
         for c in range(n_chunks):
           pairs = plgpu.load(u16_smem.at[slot, :, pl.ds(PAIRS * c, PAIRS)].transpose((1, 0)),
                              layout=WGMMA)
-          for s, a in enumerate(fp8_operands(pairs, dtype, transposed=True)):
+          for s, a in enumerate(value_operands(pairs, dtype)):
             plgpu.wgmma(refs[2 * c + s], a, p_t)
 
       return pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in accs))
@@ -328,7 +302,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       inv = lax.broadcast_in_dim(jnp.where(has, 1.0 / jnp.where(has, l_all, 1.0), 0.0),
                                  (64, N), [1])
       for m, acc in enumerate(accs):
-        o_smem.at[pl.ds(64 * m, 64)][...] = (acc * inv).astype(dtype)
+        o_smem.at[m // 2, :, m % 2][...] = (acc * inv).astype(dtype)   # (columns in order)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, sp])
       plgpu.wait_smem_to_gmem(0)
@@ -341,7 +315,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       plgpu.SMEM((stages, BLOCK_KV, Rr), dtype, transforms=tile),             # rope ring
       plgpu.SMEM((stages, BLOCK_KV), F32),                                    # scale ring
       plgpu.SMEM((N, BLOCK_KV), dtype, transforms=tile),                      # P
-      plgpu.SMEM((R, N), dtype),                                              # out^T staging
+      plgpu.SMEM((R // 128, 64, 2, N), dtype),               # out^T staging: 128 c + 2 r + s
       plgpu.SMEM((N,), F32),                                                  # alpha, then lse
       plgpu.SMEM((N,), F32),                                                  # the sums
   ]
@@ -355,6 +329,6 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       plgpu.Barrier(num_arrivals=1),                                   # P ready (wg 0 -> 1)
       plgpu.Barrier(num_arrivals=1),                                   # P free (wg 1 -> 0)
   ]
-  return decode_kernel(body, out_shape=(R, N), rows=N, dtype=dtype, scratch=smem + barriers,
+  return decode_kernel(body, out_shape=(R // 128, 64, 2, N), rows=N, dtype=dtype, scratch=smem + barriers,
                        splits=splits, B=B, num_threads=2, name="mla_decode_registers",
                        interpret=interpret)

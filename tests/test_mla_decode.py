@@ -435,37 +435,6 @@ def test_kernel_lowers_for_cuda(mode, page_size, B, s_q, H, path):
   assert "mosaic_gpu" in text.lower()
 
 
-def test_register_path_permutations_match_its_transposes():
-  """The registers path gathers q's nope columns by `score_columns` and puts out^T's rows
-  back by `value_rows` with reshapes and transposes (`_build`): the same permutations."""
-  registers = kernel._path("registers")
-  R = 512
-  cols = registers.score_columns(R)
-  rows = registers.value_rows(R)
-  assert sorted(cols) == list(range(R)) and sorted(rows) == list(range(R))
-  # Position 64 h + 8 k + 2 q + i of a 128-column chunk holds column 16 k + 4 q + 2 h + i.
-  assert cols[64 + 8 * 3 + 2 * 1 + 1] == 16 * 3 + 4 * 1 + 2 + 1
-  assert rows[128 + 64 + 5] == 128 + 2 * 5 + 1
-  q = np.arange(2 * 3 * R).reshape(2, 3, R)
-  out_t = np.arange(2 * 1 * R * 4).reshape(2, 1, R, 4)
-  seen = {}
-
-  def fake_kernel(*refs):
-    seen["q"] = refs[3]
-    return out_t[:, :, rows], None
-
-  build = registers._build
-  monkey = registers._kernel
-  try:
-    registers._kernel = lambda interpret, **static: fake_kernel
-    call = build(False, R=R)
-    out, _ = call(None, None, None, jnp.concatenate([q, q[..., :64]], axis=-1), None)
-  finally:
-    registers._kernel = monkey
-  np.testing.assert_array_equal(np.asarray(seen["q"])[..., :R], q[..., cols])
-  np.testing.assert_array_equal(np.asarray(out), out_t)
-
-
 E4M3_CODES = np.arange(64 * 512, dtype=np.int64) * 7 % 256  # every code, in a mixed order
 
 
