@@ -21,8 +21,10 @@ Ways:
   even and the odd columns (a row permutation of V^T, so of out^T, undone when the output is
   read). Scores: a plain load gives a thread columns 4c .. 4c+3 of a token in one register;
   its two halves are A operands whose K positions are a fixed permutation of the columns
-  (within each 16), which q (B) takes too. (`pallas_kernels/mla_decode_registers.py`
-  builds its products this way.)
+  (`mla_decode_registers.score_columns`), which q (B) takes too. (Loading 2 columns a
+  16-bit register instead keeps the order but took 774 vs 666 ns for bf16,
+  `logs/2026-12-06c_diag_register_operands_16bit_keys_h100.log`.)
+  (`pallas_kernels/mla_decode_registers.py` builds its products this way.)
 
 Every way checks its output against numpy (float64 sums of the exact products) before timing.
 GPU only (``inline_mgpu`` has no interpret mode).
@@ -57,7 +59,7 @@ def operands(part: str, dtype: str):
   jdtype = jnp.float16 if dtype == "f16" else jnp.bfloat16
   if part == "values":
     return lambda pairs: registers.value_operands(pairs, jdtype)
-  return lambda keys: registers.key_operand(keys, jdtype)
+  return lambda quads: registers.key_operands(quads, jdtype)
 
 
 def kernel(part: str, way: str, repeats: int):
@@ -94,9 +96,9 @@ def kernel(part: str, way: str, repeats: int):
               plgpu.wgmma(refs[2 * c], even, b_smem.transpose((1, 0)))
               plgpu.wgmma(refs[2 * c + 1], odd, b_smem.transpose((1, 0)))
             else:
-              for h in range(2):
+              quads = plgpu.load(v_smem.at[:, pl.ds(CHUNK * c, CHUNK)], layout=WGMMA)
+              for h, key in enumerate(convert(quads)):
                 cols = pl.ds(2 * CHUNK * c + CHUNK * h, CHUNK)
-                key = convert(plgpu.load(v_smem.at[:, cols], layout=WGMMA))
                 plgpu.wgmma(refs[0], key, b_smem.at[:, cols].transpose((1, 0)))
       return pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in accs))
 
@@ -108,9 +110,8 @@ def kernel(part: str, way: str, repeats: int):
     plgpu.copy_smem_to_gmem(o_smem, o_ref)
     plgpu.wait_smem_to_gmem(0)
 
-  v_type = (plgpu.SMEM((T, R // 2), jnp.uint16, transforms=U16_TILE)
-            if way != "tile" and part == "values"
-            else plgpu.SMEM((T, R), FP8, transforms=pro.fp8_tile))
+  v_type = (plgpu.SMEM((T, R), FP8, transforms=pro.fp8_tile) if way == "tile"
+            else plgpu.SMEM((T, R // 2), jnp.uint16, transforms=U16_TILE))
   b_type = plgpu.SMEM((N, T) if part == "values" else (N, R), dtype, transforms=TILE16)
   return plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct(out_shape, F32),
@@ -125,8 +126,7 @@ def problem(part: str, way: str, rng):
   codes[(codes & 0x7F) == 0x7F] = 0                 # no NaN codes
   v = np.asarray(jnp.asarray(codes.view(FP8)).astype(F32)).astype(np.float64)
   dtype = jnp.float16 if way == "f16" else jnp.bfloat16
-  v_in = (jnp.asarray(codes.view(np.uint16)) if way != "tile" and part == "values"
-          else jnp.asarray(codes.view(FP8)))
+  v_in = jnp.asarray(codes.view(FP8)) if way == "tile" else jnp.asarray(codes.view(np.uint16))
   if part == "values":
     p = jnp.asarray(rng.random((N, T), dtype=np.float32)).astype(dtype)
     out_t = v.T @ np.asarray(p.astype(F32)).astype(np.float64).T        # (512, N)
@@ -135,6 +135,8 @@ def problem(part: str, way: str, rng):
     return (v_in, p), out_t.reshape(R // 64, 64, N)
   q = jnp.asarray(rng.standard_normal((N, R), dtype=np.float32)).astype(dtype)
   want = v @ np.asarray(q.astype(F32)).astype(np.float64).T            # (64, N)
+  if way != "tile":
+    q = q[:, registers.score_columns(R)]
   return (v_in, q), want
 
 

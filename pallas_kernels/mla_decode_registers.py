@@ -11,9 +11,14 @@ through f16 and float32 as Mosaic does): 0.74 and 0.67 us, and no tile at all.
     S^T (64 tokens x N)   = K (64 x R) . Q^T + K_rope (64 x Rr) . Q_rope^T
     out^T (R x N)        += V^T (R x 64) . P^T (64 x N)     (V = K: the fp8 nope plane)
 
-* Scores: the ring's fp8 block loaded in the WGMMA register layout gives a thread 2
-  consecutive columns of a token per 16-bit register, which ``cvt.rn.f16x2.e4m3x2`` (for
-  bf16 then through float32) turns into the A operand's register: S^T = K Q^T as it is.
+* Scores: the ring's fp8 block read as 16-bit column pairs in the WGMMA register layout
+  gives a thread 4 consecutive columns of a token per 32-bit register; its two halves
+  become the A operands of two 64-column products (`key_operands`), whose K positions
+  take each 128 columns' even column pairs, then the odd ones (`score_columns`): q's nope
+  columns are put in that order before the kernel (one small XLA transpose), so S^T is
+  unchanged. (Loading 2 columns a 16-bit register keeps the columns in order but costs
+  more: H100, 73.5 vs 67.5 us at B = 64, context 4096; 504 vs 448 at B = 128, context
+  16384, `logs/2026-12-06c_diag_decode_registers_16bit_keys_not_kept_h100.log`.)
 * Values: Mosaic's 16-bit transposed shared-memory load (``ldmatrix.trans``) of the block
   seen as column pairs gives a thread columns (2j, 2j+1) of tokens (t, t+1) per 32-bit
   register; one ``prmt`` splits them into the two columns' token pairs: the A operands of
@@ -105,11 +110,29 @@ def _convert(x, dtype, n_out: int, asm: str, in_bits: int):
   return convert(x)
 
 
-def key_operand(x, dtype):
-  """A (64 tokens, C) fp8 array loaded in the WGMMA layout (a register: 2 consecutive
-  columns of a token, 16 bits) -> the same in `dtype`, exactly: the A operand of S^T."""
-  (y,) = _convert(x, dtype, 1, _CVT[jnp.dtype(dtype).name].format(d="$0", s="$1"), 16)
-  return y
+def key_operands(quads, dtype):
+  """A (64 tokens, 64 column pairs) uint16 array loaded in the WGMMA layout (a register:
+  columns 4 j .. 4 j + 3 of a token, 4 fp8 bytes) -> two (64, 64) `dtype` arrays, exactly:
+  the A operands of S^T over the first and the second halves of each register's columns,
+  i.e. over the 128 columns taken in the order `score_columns` (q follows it)."""
+  cvt = _CVT[jnp.dtype(dtype).name]
+  asm = ("{ .reg .b16 e, o;\n  mov.b32 {e, o}, $2;\n" + cvt.format(d="$0", s="e")
+         + cvt.format(d="$1", s="o") + "}")
+  return _convert(quads, dtype, 2, asm, 32)
+
+
+def score_columns(R: int) -> np.ndarray:
+  """The nope column at each K position of the register score product (`key_operands`):
+  in each 128 columns, the even column pairs, then the odd ones."""
+  pairs = np.arange(R).reshape(R // 128, 32, 2, 2)       # (chunk, j, h, i): pair 2j + h
+  return pairs.swapaxes(1, 2).reshape(R)
+
+
+def _permute_q(q2, R: int):
+  """q2 (B, N, R + Rr) with its nope columns in `score_columns` order (one XLA transpose)."""
+  B, N, _ = q2.shape
+  nope = q2[..., :R].reshape(B, N, R // 128, 32, 2, 2).swapaxes(3, 4)
+  return jnp.concatenate([nope.reshape(B, N, R), q2[..., R:]], axis=-1)
 
 
 def value_operands(pairs, dtype):
@@ -166,12 +189,21 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
   if N != QR:
     q2 = jnp.pad(q2, ((0, 0), (0, N - QR), (0, 0)))
   build = functools.partial(
-      _kernel, B=geo.B, s_q=geo.s_q, H=geo.H, R=geo.R, Rr=geo.Rr, P=geo.P, N=N,
+      _build, B=geo.B, s_q=geo.s_q, H=geo.H, R=geo.R, Rr=geo.Rr, P=geo.P, N=N,
       splits=splits, page_size=geo.page_size, dtype=geo.dtype, sm_scale=sm_scale,
       stages=_stages(geo, config))
   out, lse = common.dispatch(build, *operands, q2, meta)
   out, lse = combine(out.reshape(*out.shape[:2], geo.R, N), lse, geo.dtype, rows_last=True)
   return out[:, :QR], lse[:, :QR]
+
+
+def _build(interpret, *, R, **static):
+  """The kernel; on the GPU after q's nope columns are put in `score_columns` order (the
+  interpret-mode stand-in reads them in order)."""
+  kernel = _kernel(interpret, R=R, **static)
+  if interpret:
+    return kernel
+  return lambda nope, scale, rope, q2, meta: kernel(nope, scale, rope, _permute_q(q2, R), meta)
 
 
 def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_scale,
@@ -205,10 +237,11 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
           plgpu.commit_smem()
           plgpu.wgmma(s_ref, tiles.at[slot], q_smem.at[:, pl.ds(0, R)].transpose((1, 0)))
         else:
-          for c in range(0, R, CONVERT_COLS):
-            cols = pl.ds(c, CONVERT_COLS)
-            key = key_operand(plgpu.load(fp8_smem.at[slot, :, cols], layout=WGMMA), dtype)
-            plgpu.wgmma(s_ref, key, q_smem.at[:, cols].transpose((1, 0)))
+          for c in range(n_chunks):
+            quads = plgpu.load(u16_smem.at[slot, :, pl.ds(PAIRS * c, PAIRS)], layout=WGMMA)
+            for h, key in enumerate(key_operands(quads, dtype)):
+              cols = pl.ds(2 * PAIRS * c + PAIRS * h, PAIRS)   # (q in `score_columns` order)
+              plgpu.wgmma(s_ref, key, q_smem.at[:, cols].transpose((1, 0)))
         plgpu.wgmma(s_ref, rope_smem.at[slot], q_rope)
         return s_ref[...]
 

@@ -435,6 +435,23 @@ def test_kernel_lowers_for_cuda(mode, page_size, B, s_q, H, path):
   assert "mosaic_gpu" in text.lower()
 
 
+def test_register_path_puts_q_in_its_score_order():
+  """The registers path's score product takes each 128 nope columns' even column pairs,
+  then the odd ones; q is put in that order by one XLA transpose before the kernel."""
+  registers = kernel._path("registers")
+  cols = registers.score_columns(512)
+  assert sorted(cols) == list(range(512))
+  # A register of the key block holds columns 4j .. 4j+3; its halves (pairs 2j and 2j+1)
+  # sit at K positions 2j and 64 + 2j of the chunk.
+  for j in (0, 5, 31):
+    assert list(cols[[2 * j, 2 * j + 1, 64 + 2 * j, 65 + 2 * j]]) == list(range(4 * j, 4 * j + 4))
+  assert cols[128] == 128
+  q = np.arange(2 * 16 * 576).reshape(2, 16, 576).astype(np.float32)
+  got = np.asarray(registers._permute_q(jnp.asarray(q), 512))
+  np.testing.assert_array_equal(got[..., :512], q[..., cols])
+  np.testing.assert_array_equal(got[..., 512:], q[..., 512:])
+
+
 E4M3_CODES = np.arange(64 * 512, dtype=np.int64) * 7 % 256  # every code, in a mixed order
 
 
