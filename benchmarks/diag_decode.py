@@ -4,7 +4,7 @@ from a profiler trace, as bench.py), default B=64, s_q=1, H=16, context 4096.
     python benchmarks/diag_decode.py [--shape B,s_q,H,ctx] [--only PREFIX[,PREFIX...]]
         [--ablate convert] [--convert-layouts WGMMA_UPCAST_2X,WGMMA_UPCAST_4X]
 
---convert-layouts: time the per_token_head narrow and converter paths once per register
+--convert-layouts: time the per_token_head narrow path once per register
 layout of their fp8 conversion (`mla_decode_narrow.CONVERT_LAYOUT`; the first is the
 baseline) and report each output's largest difference from the first layout's (the
 conversion is exact in every layout, so the outputs must be bit-equal).
@@ -24,13 +24,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax_mla_cache as mc
 from jax_mla_cache import bench
 from pallas_kernels import mla_decode as kernel
-from pallas_kernels import mla_decode_converter, mla_decode_narrow, mla_decode_wide
+from pallas_kernels import mla_decode_narrow, mla_decode_wide
 
 
 def set_convert_layout(name: str) -> None:
-  """The conversion layout of the narrow and converter paths (a diagnosis override)."""
+  """The conversion layout of the narrow path (a diagnosis override)."""
   layout = getattr(plgpu.Layout, name)
-  mla_decode_narrow.CONVERT_LAYOUT = mla_decode_converter.CONVERT_LAYOUT = layout
+  mla_decode_narrow.CONVERT_LAYOUT = layout
   kernel.common._cached_kernel_fn.cache_clear()   # (a kernel is jitted once per build)
 
 

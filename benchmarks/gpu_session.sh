@@ -51,7 +51,7 @@ fi
 if want regs; then  # ptxas registers and spills of every decode kernel path (small shapes)
   # A launch of 3+ warpgroups caps ptxas at 65536 / threads registers (168 for 384), whatever
   # setmaxnreg asks later: spills show up here (logs/2026-12-04d_ptxas_registers.log).
-  for v in "2,1,16,256 pth-converter-s2" "2,2,16,256 pth-narrow-s2" "2,2,16,256 bf16-narrow-s2" \
+  for v in "2,1,16,256 pth-registers-s4" "2,2,16,256 pth-narrow-s2" "2,2,16,256 bf16-narrow-s2" \
            "2,2,64,256 pth-wide-s2" "2,2,64,256 bf16-wide-s2"; do
     set -- $v; d=$(mktemp -d)
     MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=$d timeout 60 python3 benchmarks/diag_decode.py \

@@ -150,7 +150,7 @@ def hostile_rope_set(cfg, rng, T: int) -> int:
 
 def hostile_decode(cfg, rng, s_q: int, H: int = 16) -> int:
   """mla_decode with page ids outside the buffer (both signs, huge), zero, negative and
-  huge lengths, H heads (16 heads at s_q = 1 and 2 take the converter / narrow paths; 64
+  huge lengths, H heads (16 heads at s_q = 1 and 2 take the registers / narrow paths; 64
   heads at s_q = 2, two 64-row M tiles, the wide path): the kernel must read nothing
   outside the layer and equal XLA."""
   cache = mc.set_mla_kv_buffer(

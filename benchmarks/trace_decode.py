@@ -11,7 +11,7 @@ steady-state blocks (the first two blocks of every program left out) and the med
 period of the warpgroup's first region:
 
     python benchmarks/trace_decode.py [--shape B,s_q,H,ctx] [--mode pth|bf16]
-        [--path registers|converter|narrow|wide] [--space 64] [--out DIR] [--timeline PROGRAM]
+        [--path registers|narrow|wide] [--space 64] [--out DIR] [--timeline PROGRAM]
 
 GPU only (the interpreter has no profiler). The record buffer takes shared memory (16
 bytes an event a warpgroup): keep ``--space`` small for kernels that fill it (the wide
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-WARPGROUPS = {"registers": 2, "converter": 4, "narrow": 2, "wide": 2}
+WARPGROUPS = {"registers": 2, "narrow": 2, "wide": 2}
 
 
 def summarize(trace: dict, warpgroups: int, skip: int = 2) -> dict:
@@ -107,7 +107,7 @@ def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--shape", default="64,1,16,4096")
   parser.add_argument("--mode", default="pth", choices=["pth", "bf16"])
-  parser.add_argument("--path", default="converter", choices=kernel.PATHS)
+  parser.add_argument("--path", default="registers", choices=kernel.PATHS)
   parser.add_argument("--space", type=int, default=64, help="events a warpgroup records")
   parser.add_argument("--out", default=None, help="folder for the trace (default: a new one)")
   parser.add_argument("--timeline", type=int, default=None, metavar="PROGRAM",

@@ -25,8 +25,9 @@ positions are masked out of the softmax.
 Three kernel paths, tried in this order (the first that takes the call runs; each module's
 ``takes`` says why not):
 
-1. ``mla_decode_converter`` -- per_token_head with at most 16 query rows: as narrow, with a
-   warpgroup that converts the next fp8 block into a second tile while the other computes.
+1. ``mla_decode_registers`` -- per_token_head with at most 16 query rows: as narrow, but the
+   score and value products take the fp8 block from registers, converted as it is loaded
+   (no converted tile in shared memory).
 2. ``mla_decode_narrow`` -- at most 32 query rows (s_q x H) per sequence, e.g. DeepSeek-V3's
    16 heads per GPU under 8-way tensor parallelism: the tokens are the wgmma M dimension and
    the query rows its N (S^T = K Q^T, out^T = V^T P^T), so nothing is padded to 64 rows and
@@ -34,9 +35,9 @@ Three kernel paths, tried in this order (the first that takes the call runs; eac
 3. ``mla_decode_wide`` -- any number of query rows: the query rows are the M dimension in
    tiles of 64 (the compute-bound case: H=128).
 
-All: one program per (M tile, split, sequence) whose TMA copies follow the page table (the
-converter path's two producer warpgroups; compute warpgroup 1 in the narrow path, 0 in the
-wide path) and two wgmma compute warpgroups; online softmax; flash-decoding splits
+All: one program per (M tile, split, sequence) whose TMA copies follow the page table
+(compute warpgroup 1 in the registers and narrow paths, 0 in the wide path; no producer
+warpgroup) and two wgmma compute warpgroups; online softmax; flash-decoding splits
 (ranges computed on the device from seq_lens) merged here by their lse.
 ``DecodeConfig(path=...)`` forces one path (benchmarks and tests).
 """
@@ -60,7 +61,7 @@ BLOCK_KV = 64       # tokens per KV block
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MASKED = 1 << 30    # added to positions that must stay invisible
-PATHS = ("registers", "converter", "narrow", "wide")
+PATHS = ("registers", "narrow", "wide")
 
 
 @dataclasses.dataclass(frozen=True)

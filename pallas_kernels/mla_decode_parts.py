@@ -1,4 +1,4 @@
-"""Kernel-body pieces shared by the mla_decode paths (converter, narrow, wide).
+"""Kernel-body pieces shared by the mla_decode paths (registers, narrow, wide).
 
 Each runs inside a Mosaic GPU kernel body (traced once per program); none allocates.
 """
@@ -257,7 +257,7 @@ def zero_masked_rows(tile, block, length, load_flags, *, page_size: int,
   called only in a block that may need the flags (past the length, or in a sequence with
   a masked page; the rows are then zeroed only if the block has such rows): a warpgroup
   that does not need the flags for its scores skips their loads and the test in the
-  other blocks (the converter's value warpgroup).
+  other blocks (the registers path's value warpgroup).
 
   Such rows enter the value product with weight 0, and 0 x NaN is NaN: past the length
   they hold whatever the page held before (stale rows, garbage written by padding tokens),

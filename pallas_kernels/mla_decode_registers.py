@@ -1,12 +1,13 @@
-"""mla_decode path "registers": per_token_head, at most 32 query rows, no converted tile.
+"""mla_decode path "registers": per_token_head, at most 16 query rows, no converted tile.
 
-The "converter" and "narrow" paths converted each fp8 nope block to q's dtype into a shared
-tile (64 KB written, then read by the score and the value products): measured on an H100,
-one warpgroup's conversion plus the products it feeds takes 1.57 us a 64-token block for
-the values and 1.46 us for the scores (`benchmarks/diag_register_operands.py`,
-`logs/2026-12-06c_diag_register_operands_h100.log`). Here the products take their A
-operands from registers, converted from the fp8 ring as they are loaded (exact; for bf16
-through f16 and float32 as Mosaic does): 0.74 and 0.67 us, and no tile at all.
+The "narrow" path (like "converter", this path's predecessor, since removed) converts each
+fp8 nope block to q's dtype into a shared tile (64 KB written, then read by the score and
+the value products): measured on an H100, one warpgroup's conversion plus the products it
+feeds takes 1.57 us a 64-token block for the values and 1.46 us for the scores
+(`benchmarks/diag_register_operands.py`, `logs/2026-12-06c_diag_register_operands_h100.log`).
+Here the products take their A operands from registers, converted from the fp8 ring as
+they are loaded (exact; for bf16 through f16 and float32 as Mosaic does): 0.74 and 0.67
+us, and no tile at all.
 
     S^T (64 tokens x N)   = K (64 x R) . Q^T + K_rope (64 x Rr) . Q_rope^T
     out^T (R x N)        += V^T (R x 64) . P^T (64 x N)     (V = K: the fp8 nope plane)
@@ -37,11 +38,16 @@ through f16 and float32 as Mosaic does): 0.74 and 0.67 us, and no tile at all.
   context 4096: 66.1 vs 67.1 us; B = 128, context 16384: 446.3 vs 448.5;
   `logs/2026-12-06c_diag_decode_registers_3wg_not_kept_h100.log`): the warpgroups share
   the multiprocessor's issue slots, so splitting the conversions does not shorten them.
+* At most 16 query rows: at 32 (s_q = 2 at 16 heads) this path was no faster than the
+  narrow path's converted tile (H100, B = 64, context 4096: kernel 99.6 vs 100.5 us;
+  `logs/2026-12-06c_diag_decode_registers_first_h100.log` and `..._16bit_keys_...`), and
+  its value warpgroup holds 128 accumulator registers a thread there.
 
 Interpret mode (CPU tests) has no ``inline_mgpu`` and no register A operands: there the
 blocks are converted into a shared tile per stage and the products read it (the "narrow"
-arithmetic, natural column order) -- the pipeline, barriers and masking are the same; the
-register operands themselves are checked on the GPU (tests/test_mla_decode.py, `-m gpu`).
+arithmetic; the values in this path's row order, so the staging is exercised) -- the
+pipeline, barriers and masking are the same; the register operands themselves are checked
+on the GPU (tests/test_mla_decode.py, `-m gpu`).
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_f
                                              ring_loader, softmax_end, softmax_start,
                                              warpgroup_sync, zero_masked_rows)
 
-MAX_ROWS = 32
+MAX_ROWS = 16           # more rows: the narrow path's converted tile is faster (below)
 MAX_STAGES = 4
 PAIRS = 64              # 16-bit column pairs a load: 128 fp8 columns
 # The fp8 ring's bytes seen as 16-bit column pairs (the same tiles of 8 x 64 bytes, the

@@ -1,7 +1,7 @@
 """mla_decode path "wide": the query rows (s_q x H) are the wgmma M dimension.
 
 Takes any number of query rows (the compute-bound case: H=128 heads, s_q up to 4); the
-entry point `pallas_kernels.mla_decode` tries `mla_decode_converter` and `mla_decode_narrow`
+entry point `pallas_kernels.mla_decode` tries `mla_decode_registers` and `mla_decode_narrow`
 first.
 
 Design (FlashAttention-3 style, as jax's ``attention_mgpu``; the absorbed form of FlashMLA):

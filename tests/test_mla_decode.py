@@ -303,12 +303,9 @@ KERNEL_CASES = [
     ("pth", 32, 2, 2, 16, 5, 3, "wide"),
     ("pth", 64, 2, 1, 8, 3, 1, "wide"),
     ("pth", 64, 2, 1, 5, 3, 1, "narrow"),       # 5 rows padded to 16
-    ("pth", 32, 2, 1, 16, 5, 3, "converter"),   # two copies per block, three splits
-    ("pth", 64, 2, 1, 5, 3, 1, "converter"),    # 5 rows padded to 16
-    ("pth", 64, 3, 2, 8, 4, 2, "converter"),    # 16 rows, queries causal
     ("pth", 32, 2, 1, 16, 5, 3, "registers"),   # two copies per block, three splits
     ("pth", 64, 2, 1, 5, 3, 1, "registers"),    # 5 rows padded to 16
-    ("pth", 64, 3, 2, 12, 4, 2, "registers"),   # 24 rows padded to 32, queries causal
+    ("pth", 64, 3, 2, 8, 4, 2, "registers"),    # 16 rows, queries causal
 ]
 
 
@@ -354,8 +351,8 @@ def test_interpreting_on_one_cpu_device_warns(monkeypatch):
 
 @pytest.mark.parametrize("mode,page_size,s_q,H,path", [
     ("bf16", 16, 2, 8, "narrow"), ("bf16", 64, 1, 16, "wide"), ("pth", 32, 2, 8, "narrow"),
-    ("pth", 64, 1, 16, "wide"), ("pth", 32, 1, 16, "converter"),
-    ("pth", 64, 2, 16, "registers")])
+    ("pth", 64, 1, 16, "wide"), ("pth", 32, 1, 16, "registers"),
+    ("pth", 64, 2, 8, "registers")])
 def test_kernel_interpret_ignores_garbage_rows_it_may_not_see(mode, page_size, s_q, H, path,
                                                               rng):
   """NaN / inf rows on page 0 (masked pages read it) and past every length (in the last
@@ -371,26 +368,21 @@ def test_kernel_interpret_ignores_garbage_rows_it_may_not_see(mode, page_size, s
 
 
 def test_kernel_paths_take_what_they_say():
-  """registers takes per_token_head with <= 32 query rows, converter per_token_head with
-  <= 16, narrow <= 32 query rows, wide everything; the default order tries them in that
-  order."""
+  """registers takes per_token_head with <= 16 query rows, narrow <= 32 query rows, wide
+  everything; the default order tries them in that order."""
   geo = lambda s_q, H, quantized=False: kernel.Geometry(
       B=4, s_q=s_q, H=H, R=512, Rr=64, P=8, page_size=64, rows=4096, quantized=quantized,
       dtype=jnp.dtype(jnp.bfloat16))
   registers = kernel._path("registers")
-  converter = kernel._path("converter")
   narrow = kernel._path("narrow")
   wide = kernel._path("wide")
   config = kernel.DecodeConfig()
-  assert kernel.PATHS == ("registers", "converter", "narrow", "wide")
-  for s_q, H in ((1, 16), (2, 16), (1, 1), (4, 8)):
+  assert kernel.PATHS == ("registers", "narrow", "wide")
+  for s_q, H in ((1, 16), (2, 8), (1, 1)):
     assert registers.takes(geo(s_q, H, True), config) is None
   assert "plain" in registers.takes(geo(1, 16), config)
-  assert "query rows" in registers.takes(geo(4, 16, True), config)
-  for s_q, H in ((1, 16), (2, 8), (1, 1)):
-    assert converter.takes(geo(s_q, H, True), config) is None
-  assert "plain" in converter.takes(geo(1, 16), config)
-  assert "query rows" in converter.takes(geo(2, 16, True), config)
+  assert "query rows" in registers.takes(geo(2, 16, True), config)
+  assert "stages" in registers.takes(geo(1, 16, True), kernel.DecodeConfig(stages=9))
   for s_q, H in ((1, 16), (2, 16), (1, 1), (4, 8)):
     assert narrow.takes(geo(s_q, H), config) is None
     assert narrow.takes(geo(s_q, H, True), config) is None
