@@ -91,22 +91,28 @@ def takes(geo: Geometry, config: DecodeConfig) -> str | None:
   return None
 
 
+def rows_and_splits(geo: Geometry, config: DecodeConfig, q2, num_splits: int | None):
+  """(N, splits, q2 padded to N rows) of a path whose query rows are the products' N
+  dimension (this one and "registers")."""
+  N = padded_rows(geo.QR)
+  splits = num_splits or split_count(geo.B, 1, geo.max_blocks, num_sms(config))
+  if N != geo.QR:
+    q2 = jnp.pad(q2, ((0, 0), (0, N - geo.QR), (0, 0)))
+  return N, splits, q2
+
+
 def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
         sm_scale: float, num_splits: int | None):
   """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 2) (`PageTable`); returns
   (out (B, QR, R), lse (B, QR))."""
-  QR = geo.QR
-  N = padded_rows(QR)
-  splits = num_splits or split_count(geo.B, 1, geo.max_blocks, num_sms(config))
-  if N != QR:
-    q2 = jnp.pad(q2, ((0, 0), (0, N - QR), (0, 0)))
+  N, splits, q2 = rows_and_splits(geo, config, q2, num_splits)
   build = functools.partial(
       _kernel, B=geo.B, s_q=geo.s_q, H=geo.H, R=geo.R, Rr=geo.Rr, P=geo.P, N=N,
       splits=splits, page_size=geo.page_size, dtype=geo.dtype, quantized=geo.quantized,
       sm_scale=sm_scale, stages=config.stages or 2)
   out, lse = common.dispatch(build, *operands, q2, meta)
   out, lse = combine(out, lse, geo.dtype, rows_last=True)
-  return out[:, :QR], lse[:, :QR]
+  return out[:, :geo.QR], lse[:, :geo.QR]
 
 
 def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, quantized,

@@ -63,9 +63,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.common import F32
-from pallas_kernels.mla_decode import (BLOCK_KV, FP8_E4M3, DecodeConfig, Geometry, combine,
-                                       num_sms, split_count)
-from pallas_kernels.mla_decode_narrow import SMEM_LIMIT, padded_rows
+from pallas_kernels.mla_decode import BLOCK_KV, FP8_E4M3, DecodeConfig, Geometry, combine
+from pallas_kernels.mla_decode_narrow import SMEM_LIMIT, padded_rows, rows_and_splits
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8,
                                              decode_kernel, masked_positions, online_softmax,
                                              page_flags, program, prologue, publish_weights,
@@ -189,18 +188,14 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
         sm_scale: float, num_splits: int | None):
   """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 2) (`PageTable`); returns
   (out (B, QR, R), lse (B, QR))."""
-  QR = geo.QR
-  N = padded_rows(QR)
-  splits = num_splits or split_count(geo.B, 1, geo.max_blocks, num_sms(config))
-  if N != QR:
-    q2 = jnp.pad(q2, ((0, 0), (0, N - QR), (0, 0)))
+  N, splits, q2 = rows_and_splits(geo, config, q2, num_splits)
   build = functools.partial(
       _build, B=geo.B, s_q=geo.s_q, H=geo.H, R=geo.R, Rr=geo.Rr, P=geo.P, N=N,
       splits=splits, page_size=geo.page_size, dtype=geo.dtype, sm_scale=sm_scale,
       stages=_stages(geo, config))
   out, lse = common.dispatch(build, *operands, q2, meta)
   out, lse = combine(out.reshape(*out.shape[:2], geo.R, N), lse, geo.dtype, rows_last=True)
-  return out[:, :QR], lse[:, :QR]
+  return out[:, :geo.QR], lse[:, :geo.QR]
 
 
 def _build(interpret, *, R, **static):
