@@ -24,8 +24,13 @@ us, and no tile at all.
   seen as column pairs gives a thread columns (2j, 2j+1) of tokens (t, t+1) per 32-bit
   register; one ``prmt`` splits them into the two columns' token pairs: the A operands of
   two 64-row tiles of V^T, of the even and the odd columns of 128 (`value_operands`). The
-  output staging puts the rows back in column order (a (R / 128, 64, 2, N) view: tile
-  2c + s, row r is column 128 c + 2 r + s).
+  kernel writes out^T tile by tile (tile 2c + s, row r is column 128 c + 2 r + s) and one
+  XLA transpose puts the columns in order (fused with the merge of the splits where there
+  are several). Putting them in order inside the kernel saved ~6 us a call at B = 64 in
+  one H100 run (a strided store into the staging, with 16-bit key loads:
+  `logs/2026-12-06c_diag_decode_registers_16bit_keys_not_kept_h100.log`), but jax 0.12's
+  Mosaic GPU refuses that store as bank-conflicting, and TMA copies of each tile to every
+  other output row need a 6-dimensional view (async copies take 5).
 * Two warpgroups (as "narrow", without conversions): warpgroup 0 computes S^T, the online
   softmax (scale folded into the scores and the weights), hands P and alpha to warpgroup
   1 and goes on to the next block while warpgroup 1 accumulates the values, zeroes the
@@ -194,7 +199,11 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
       splits=splits, page_size=geo.page_size, dtype=geo.dtype, sm_scale=sm_scale,
       stages=_stages(geo, config))
   out, lse = common.dispatch(build, *operands, q2, meta)
-  out, lse = combine(out.reshape(*out.shape[:2], geo.R, N), lse, geo.dtype, rows_last=True)
+  # out^T in tiles (chunk c, parity s, row r) -> columns 128 c + 2 r + s, in order (one XLA
+  # transpose, fused with the merge of the splits where there are several).
+  B, S = out.shape[:2]
+  out = out.reshape(B, S, geo.R // 128, 2, 64, N).swapaxes(3, 4).reshape(B, S, geo.R, N)
+  out, lse = combine(out, lse, geo.dtype, rows_last=True)
   return out[:, :geo.QR], lse[:, :geo.QR]
 
 
@@ -336,7 +345,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       inv = lax.broadcast_in_dim(jnp.where(has, 1.0 / jnp.where(has, l_all, 1.0), 0.0),
                                  (64, N), [1])
       for m, acc in enumerate(accs):
-        o_smem.at[m // 2, :, m % 2][...] = (acc * inv).astype(dtype)   # (columns in order)
+        o_smem.at[pl.ds(64 * m, 64)][...] = (acc * inv).astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, sp])
       plgpu.wait_smem_to_gmem(0)
@@ -349,7 +358,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       plgpu.SMEM((stages, BLOCK_KV, Rr), dtype, transforms=tile),             # rope ring
       plgpu.SMEM((stages, BLOCK_KV), F32),                                    # scale ring
       plgpu.SMEM((N, BLOCK_KV), dtype, transforms=tile),                      # P
-      plgpu.SMEM((R // 128, 64, 2, N), dtype),               # out^T staging: 128 c + 2 r + s
+      plgpu.SMEM((R, N), dtype),                             # out^T staging, tile by tile
       plgpu.SMEM((N,), F32),                                                  # alpha, then lse
       plgpu.SMEM((N,), F32),                                                  # the sums
   ]
@@ -363,6 +372,6 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       plgpu.Barrier(num_arrivals=1),                                   # P ready (wg 0 -> 1)
       plgpu.Barrier(num_arrivals=1),                                   # P free (wg 1 -> 0)
   ]
-  return decode_kernel(body, out_shape=(R // 128, 64, 2, N), rows=N, dtype=dtype, scratch=smem + barriers,
+  return decode_kernel(body, out_shape=(R, N), rows=N, dtype=dtype, scratch=smem + barriers,
                        splits=splits, B=B, num_threads=2, name="mla_decode_registers",
                        interpret=interpret)
