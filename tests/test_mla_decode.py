@@ -427,6 +427,22 @@ def test_kernel_lowers_for_cuda(mode, page_size, B, s_q, H, path):
   assert "mosaic_gpu" in text.lower()
 
 
+@pytest.mark.parametrize("path", ["registers", "narrow"])
+def test_kernel_interpret_empty_and_one_token_sequences(path, rng):
+  """Lengths 0, negative, 1 and one past a block: zeros and -inf lse where nothing is
+  visible, the reference elsewhere (per_token_head, 16 rows: the registers path's shape)."""
+  cfg = CONFIGS["pth"].replace(page_size=64, size=1024)
+  cache = filled_cache(cfg, rng)
+  q, table, _ = problem(cfg, rng, B=4, s_q=1, H=16, P=3)
+  lens = np.asarray([0, -7, 1, 65], np.int32)
+  args = dict(sm_scale=0.2, page_size=64, kv_lora_rank=512)
+  got = jax.jit(lambda *a: kernel.mla_decode(*a, num_splits=2, config=kernel.DecodeConfig(
+      path=path), **args))(cache.layer(0), q, jnp.asarray(table), jnp.asarray(lens))
+  want = decode64(cache.layer(0), q, table, lens, **args)
+  assert np.all(np.isneginf(np.asarray(got[1])[:2]))
+  assert_close(got, want)
+
+
 def test_register_path_puts_q_in_its_score_order():
   """The registers path's score product takes each 128 nope columns' even column pairs,
   then the odd ones; q is put in that order by one XLA transpose before the kernel."""
