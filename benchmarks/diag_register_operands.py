@@ -49,23 +49,14 @@ from pallas_kernels import mla_decode_registers as registers
 
 F32, FP8 = jnp.float32, jnp.float8_e4m3fn
 T, R, N = 64, 512, 16               # tokens a block, nope columns, query rows
-CHUNK = 64                           # 16-bit column pairs a load (128 fp8 columns)
-U16_TILE = registers.U16_TILE                          # = the fp8 ring's bytes
-TILE16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+CHUNK = registers.PAIRS              # 16-bit column pairs a load (128 fp8 columns)
 WGMMA = plgpu.Layout.WGMMA
-
-def operands(part: str, dtype: str):
-  """The registers path's operand conversion for `part`."""
-  jdtype = jnp.float16 if dtype == "f16" else jnp.bfloat16
-  if part == "values":
-    return lambda pairs: registers.value_operands(pairs, jdtype)
-  return lambda quads: registers.key_operands(quads, jdtype)
 
 
 def kernel(part: str, way: str, repeats: int):
-  pro = parts.prologue(jnp.bfloat16, 64, 1.0)
   dtype = jnp.float16 if way == "f16" else jnp.bfloat16
-  convert = None if way == "tile" else operands(part, way)
+  pro = parts.prologue(dtype, 64, 1.0)
+  convert = registers.value_operands if part == "values" else registers.key_operands
   out_shape = (R // 64, 64, N) if part == "values" else (64, N)
   n_acc = R // 64 if part == "values" else 1
 
@@ -92,12 +83,12 @@ def kernel(part: str, way: str, repeats: int):
           for c in range(R // (2 * CHUNK)):
             if part == "values":
               src = v_smem.at[:, pl.ds(CHUNK * c, CHUNK)]
-              even, odd = convert(plgpu.load(src.transpose((1, 0)), layout=WGMMA))
+              even, odd = convert(plgpu.load(src.transpose((1, 0)), layout=WGMMA), dtype)
               plgpu.wgmma(refs[2 * c], even, b_smem.transpose((1, 0)))
               plgpu.wgmma(refs[2 * c + 1], odd, b_smem.transpose((1, 0)))
             else:
               quads = plgpu.load(v_smem.at[:, pl.ds(CHUNK * c, CHUNK)], layout=WGMMA)
-              for h, key in enumerate(convert(quads)):
+              for h, key in enumerate(convert(quads, dtype)):
                 cols = pl.ds(2 * CHUNK * c + CHUNK * h, CHUNK)
                 plgpu.wgmma(refs[0], key, b_smem.at[:, cols].transpose((1, 0)))
       return pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in accs))
@@ -111,8 +102,8 @@ def kernel(part: str, way: str, repeats: int):
     plgpu.wait_smem_to_gmem(0)
 
   v_type = (plgpu.SMEM((T, R), FP8, transforms=pro.fp8_tile) if way == "tile"
-            else plgpu.SMEM((T, R // 2), jnp.uint16, transforms=U16_TILE))
-  b_type = plgpu.SMEM((N, T) if part == "values" else (N, R), dtype, transforms=TILE16)
+            else plgpu.SMEM((T, R // 2), jnp.uint16, transforms=registers.U16_TILE))
+  b_type = plgpu.SMEM((N, T) if part == "values" else (N, R), dtype, transforms=pro.tile)
   return plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct(out_shape, F32),
       scratch_types=[v_type, b_type, plgpu.SMEM((T, R), jnp.bfloat16, transforms=pro.tile),
