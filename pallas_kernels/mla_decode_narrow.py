@@ -91,26 +91,30 @@ def takes(geo: Geometry, config: DecodeConfig) -> str | None:
   return None
 
 
-def rows_and_splits(geo: Geometry, config: DecodeConfig, q2, num_splits: int | None):
-  """(N, splits, q2 padded to N rows) of a path whose query rows are the products' N
-  dimension (this one and "registers")."""
-  N = padded_rows(geo.QR)
-  splits = num_splits or split_count(geo.B, 1, geo.max_blocks, num_sms(config))
-  if N != geo.QR:
-    q2 = jnp.pad(q2, ((0, 0), (0, N - geo.QR), (0, 0)))
-  return N, splits, q2
-
-
 def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
         sm_scale: float, num_splits: int | None):
   """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 2) (`PageTable`); returns
   (out (B, QR, R), lse (B, QR))."""
-  N, splits, q2 = rows_and_splits(geo, config, q2, num_splits)
+  return run_rows_as_n(geo, config, operands, q2, meta, _kernel, num_splits=num_splits,
+                       quantized=geo.quantized, sm_scale=sm_scale, stages=config.stages or 2)
+
+
+def run_rows_as_n(geo: Geometry, config: DecodeConfig, operands, q2, meta, kernel, *,
+                  num_splits: int | None, out_columns=None, **static):
+  """`run` of a path whose query rows are the products' N dimension (this one and
+  "registers"): ``kernel(interpret, B=..., N=..., splits=..., **static)`` on q2 padded to N
+  rows, its out^T (B, splits, R, N) -- put in column order by ``out_columns`` where given
+  -- merged over the splits and transposed (one XLA fusion)."""
+  N = padded_rows(geo.QR)
+  splits = num_splits or split_count(geo.B, 1, geo.max_blocks, num_sms(config))
+  if N != geo.QR:
+    q2 = jnp.pad(q2, ((0, 0), (0, N - geo.QR), (0, 0)))
   build = functools.partial(
-      _kernel, B=geo.B, s_q=geo.s_q, H=geo.H, R=geo.R, Rr=geo.Rr, P=geo.P, N=N,
-      splits=splits, page_size=geo.page_size, dtype=geo.dtype, quantized=geo.quantized,
-      sm_scale=sm_scale, stages=config.stages or 2)
+      kernel, B=geo.B, s_q=geo.s_q, H=geo.H, R=geo.R, Rr=geo.Rr, P=geo.P, N=N,
+      splits=splits, page_size=geo.page_size, dtype=geo.dtype, **static)
   out, lse = common.dispatch(build, *operands, q2, meta)
+  if out_columns is not None:
+    out = out_columns(out)
   out, lse = combine(out, lse, geo.dtype, rows_last=True)
   return out[:, :geo.QR], lse[:, :geo.QR]
 

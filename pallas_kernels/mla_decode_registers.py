@@ -57,8 +57,6 @@ on the GPU (tests/test_mla_decode.py, `-m gpu`).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,10 +64,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import common
 from pallas_kernels.common import F32
-from pallas_kernels.mla_decode import BLOCK_KV, FP8_E4M3, DecodeConfig, Geometry, combine
-from pallas_kernels.mla_decode_narrow import SMEM_LIMIT, padded_rows, rows_and_splits
+from pallas_kernels.mla_decode import BLOCK_KV, FP8_E4M3, DecodeConfig, Geometry
+from pallas_kernels.mla_decode_narrow import SMEM_LIMIT, padded_rows, run_rows_as_n
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8,
                                              decode_kernel, masked_positions, online_softmax,
                                              page_flags, program, prologue, publish_weights,
@@ -193,18 +190,14 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
         sm_scale: float, num_splits: int | None):
   """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 2) (`PageTable`); returns
   (out (B, QR, R), lse (B, QR))."""
-  N, splits, q2 = rows_and_splits(geo, config, q2, num_splits)
-  build = functools.partial(
-      _build, B=geo.B, s_q=geo.s_q, H=geo.H, R=geo.R, Rr=geo.Rr, P=geo.P, N=N,
-      splits=splits, page_size=geo.page_size, dtype=geo.dtype, sm_scale=sm_scale,
-      stages=_stages(geo, config))
-  out, lse = common.dispatch(build, *operands, q2, meta)
-  # out^T in tiles (chunk c, parity s, row r) -> columns 128 c + 2 r + s, in order (one XLA
-  # transpose, fused with the merge of the splits where there are several).
-  B, S = out.shape[:2]
-  out = out.reshape(B, S, geo.R // 128, 2, 64, N).swapaxes(3, 4).reshape(B, S, geo.R, N)
-  out, lse = combine(out, lse, geo.dtype, rows_last=True)
-  return out[:, :geo.QR], lse[:, :geo.QR]
+  def out_columns(out):
+    # out^T in tiles (chunk c, parity s, row r) -> columns 128 c + 2 r + s, in order (one
+    # XLA transpose, fused with the merge of the splits where there are several).
+    B, S, _, N = out.shape
+    return out.reshape(B, S, geo.R // 128, 2, 64, N).swapaxes(3, 4).reshape(B, S, geo.R, N)
+
+  return run_rows_as_n(geo, config, operands, q2, meta, _build, num_splits=num_splits,
+                       out_columns=out_columns, sm_scale=sm_scale, stages=_stages(geo, config))
 
 
 def _build(interpret, *, R, **static):
