@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, memcheck with hostile slots, diagnostics, benchmark.
 # Usage (device tool): bash benchmarks/gpu_session.sh
-#   [tests|decode|decode_bench|diag_decode|stacked|trace|regs|demo|step_profile|compile|eager|deepseek|moves|rope|
+#   [tests|decode|decode_bench|diag_decode|stacked|trace|ncu|regs|demo|step_profile|compile|eager|deepseek|moves|rope|
 #    rope_bench|sanitize|diag|diag_rows|diag_pth|diag_moves|ptx|bench|sweep_pth|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
 #
 # Budget notes (H200, jax 0.11.2; 30 min of device time a session, a cold start ~1-1.5 min):
@@ -47,6 +47,18 @@ if want trace; then  # in-kernel profile of one decode path (TRACE_ARGS, e.g. --
   mkdir -p "$OUT/trace"
   timeout ${TRACE_TIMEOUT:-120} python3 benchmarks/trace_decode.py --out "$OUT/trace" \
     ${TRACE_ARGS:-} 2>&1 | tee -a "$OUT/trace_decode.log"
+fi
+if want ncu; then  # Nsight Compute on one decode launch (NCU_VARIANT: a diag_decode.py variant)
+  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [ -n "$NCU" ]; then
+    timeout ${NCU_TIMEOUT:-300} "$NCU" --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
+      -k regex:mla_decode --launch-skip ${NCU_SKIP:-2} --launch-count 1 \
+      python3 benchmarks/diag_decode.py --only ${NCU_VARIANT:-pth-registers-s4} --iters 1 2>&1 \
+      | tee "$OUT/ncu.log" | tail -90
+  else
+    echo "ncu: not on this machine" | tee "$OUT/ncu.log"
+  fi
 fi
 if want regs; then  # ptxas registers and spills of every decode kernel path (small shapes)
   # A launch of 3+ warpgroups caps ptxas at 65536 / threads registers (168 for 384), whatever
