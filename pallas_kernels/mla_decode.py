@@ -238,20 +238,22 @@ def finish_lse_merge(m, den, num, per_row=lambda x: x[..., None]):
   return merged, jnp.where(has, m + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf)
 
 
-def combine(out, lse, dtype, *, rows_last: bool = False):
+def combine(out, lse, dtype, *, rows_last: bool = False, transpose: bool = True):
   """Merge the splits' partial results by their lse.
 
   Args:
     out: (B, S, Q, R) partial outputs, or (B, S, R, Q) with ``rows_last``.
     lse: (B, S, Q) float32 (natural log; -inf for a split that saw nothing).
     dtype: the result's dtype.
+    transpose: with ``rows_last``, return (B, Q, R) (else (B, R, Q), as out came).
   Returns:
     (out (B, Q, R) dtype, lse (B, Q) float32).
   """
   S = out.shape[1]
+  swap = rows_last and transpose
   if S == 1:
     merged = out[:, 0]
-    return (merged.swapaxes(1, 2) if rows_last else merged), lse[:, 0]
+    return (merged.swapaxes(1, 2) if swap else merged), lse[:, 0]
 
   def per_row(x):   # (B, Q) -> broadcastable against one split's (B, Q, R) / (B, R, Q)
     return x[:, None, :] if rows_last else x[..., None]
@@ -278,6 +280,6 @@ def combine(out, lse, dtype, *, rows_last: bool = False):
     split_rows = weights[:, :, None, :] if rows_last else weights[..., None]
     num = (split_rows * out.astype(F32)).sum(axis=1)
   merged, total = finish_lse_merge(m, den, num, per_row)
-  if rows_last:
+  if swap:
     merged = merged.swapaxes(1, 2)
   return merged.astype(dtype), total

@@ -65,7 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import F32
-from pallas_kernels.mla_decode import BLOCK_KV, FP8_E4M3, DecodeConfig, Geometry
+from pallas_kernels.mla_decode import BLOCK_KV, FP8_E4M3, DecodeConfig, Geometry, combine
 from pallas_kernels.mla_decode_narrow import SMEM_LIMIT, padded_rows, run_rows_as_n
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8,
                                              decode_kernel, masked_positions, online_softmax,
@@ -190,14 +190,20 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
         sm_scale: float, num_splits: int | None):
   """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 2) (`PageTable`); returns
   (out (B, QR, R), lse (B, QR))."""
-  def out_columns(out):
-    # out^T in tiles (chunk c, parity s, row r) -> columns 128 c + 2 r + s, in order (one
-    # XLA transpose, fused with the merge of the splits where there are several).
+  def finish(out, lse):
+    # out^T in tiles (chunk c, parity s, row r) = columns 128 c + 2 r + s: the splits merged
+    # in that order, then each column pair packed into 32 bits (elementwise) so that one
+    # transpose of 4-byte elements puts the query rows first and the columns in order.
     B, S, _, N = out.shape
-    return out.reshape(B, S, geo.R // 128, 2, 64, N).swapaxes(3, 4).reshape(B, S, geo.R, N)
+    merged, lse = combine(out, lse, geo.dtype, rows_last=True, transpose=False)
+    tiles = merged.reshape(B, geo.R // 128, 2, 64, N)
+    u32 = lambda x: lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    pairs = u32(tiles[:, :, 0]) | (u32(tiles[:, :, 1]) << 16)        # (B, R / 128, 64, N)
+    out = lax.bitcast_convert_type(pairs.transpose(0, 3, 1, 2), geo.dtype)
+    return out.reshape(B, N, geo.R), lse
 
   return run_rows_as_n(geo, config, operands, q2, meta, _build, num_splits=num_splits,
-                       out_columns=out_columns, sm_scale=sm_scale, stages=_stages(geo, config))
+                       finish=finish, sm_scale=sm_scale, stages=_stages(geo, config))
 
 
 def _build(interpret, *, R, **static):
