@@ -76,9 +76,14 @@ from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_f
 MAX_ROWS = 16           # more rows: the narrow path's converted tile is faster (below)
 MAX_STAGES = 4
 PAIRS = 64              # 16-bit column pairs a load: 128 fp8 columns
-# The fp8 ring's bytes seen as 16-bit column pairs (the same tiles of 8 x 64 bytes, the
-# same 64-byte swizzle as `Prologue.fp8_tile`).
-U16_TILE = (plgpu.TilingTransform((8, CONVERT_COLS // 2)), plgpu.SwizzleTransform(CONVERT_COLS))
+# The fp8 nope ring in tiles of 8 rows x SWIZZLE bytes, swizzled as wide: its TMA copies
+# then read SWIZZLE bytes of a row a request. The narrow and wide paths' 64-byte tiles
+# (`Prologue.fp8_tile`, for their conversion) made 2.2 sectors an L2 request here against 4
+# for bf16 rows (ncu, H100, `logs/2026-12-06e_ncu_registers_h100.log`).
+SWIZZLE = 128
+FP8_TILE = (plgpu.TilingTransform((8, SWIZZLE)), plgpu.SwizzleTransform(SWIZZLE))
+# The same bytes seen as 16-bit column pairs.
+U16_TILE = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
 WGMMA = plgpu.Layout.WGMMA
 
 # e4m3 x2 (a .b16) -> f16 x2: one instruction, exact; bf16: then each half through float32
@@ -218,7 +223,7 @@ def _build(interpret, *, R, **static):
 def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_scale,
             stages):
   pro = prologue(dtype, page_size, sm_scale)
-  tile, fp8_tile, copies, score_scale, row_vec, col_vec = pro
+  tile, _, copies, score_scale, row_vec, col_vec = pro
   n_chunks = R // (2 * PAIRS)
 
   def body(nope_ref, scale_ref, rope_ref, q_ref, meta_ref, out_ref, lse_ref,
@@ -351,7 +356,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
 
   smem = [
       plgpu.SMEM((N, R + Rr), dtype, transforms=tile),                        # q
-      plgpu.RefUnion(plgpu.SMEM((stages, BLOCK_KV, R), FP8_E4M3, transforms=fp8_tile),
+      plgpu.RefUnion(plgpu.SMEM((stages, BLOCK_KV, R), FP8_E4M3, transforms=FP8_TILE),
                      plgpu.SMEM((stages, BLOCK_KV, R // 2), jnp.uint16,
                             transforms=U16_TILE)),                            # fp8 nope ring
       plgpu.SMEM((stages, BLOCK_KV, Rr), dtype, transforms=tile),             # rope ring
