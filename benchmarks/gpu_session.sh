@@ -48,14 +48,21 @@ if want trace; then  # in-kernel profile of one decode path (TRACE_ARGS, e.g. --
   timeout ${TRACE_TIMEOUT:-120} python3 benchmarks/trace_decode.py --out "$OUT/trace" \
     ${TRACE_ARGS:-} 2>&1 | tee -a "$OUT/trace_decode.log"
 fi
-if want ncu; then  # Nsight Compute on one decode launch (NCU_VARIANT: a diag_decode.py variant)
+if want ncu; then  # Nsight Compute on one decode launch (NCU_VARIANT: a diag_decode.py variant):
+  # the full set into a report, then its details (stall reasons, pipes, shared memory) and
+  # the SASS with per-instruction samples (CSV)
   NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   if [ -n "$NCU" ]; then
-    timeout ${NCU_TIMEOUT:-300} "$NCU" --section SpeedOfLight --section ComputeWorkloadAnalysis \
-      --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
-      -k regex:mla_decode --launch-skip ${NCU_SKIP:-2} --launch-count 1 \
-      python3 benchmarks/diag_decode.py --only ${NCU_VARIANT:-pth-registers-s4} --iters 1 2>&1 \
-      | tee "$OUT/ncu.log" | tail -90
+    "$NCU" --version | tail -1
+    timeout ${NCU_TIMEOUT:-300} "$NCU" --set full -o "$OUT/ncu_report" -f \
+      -k regex:${NCU_KERNEL:-mla_decode} --launch-skip ${NCU_SKIP:-0} --launch-count 1 \
+      python3 benchmarks/diag_decode.py --only ${NCU_VARIANT:-pth-registers-s4} --iters 1 \
+      ${NCU_DIAG_ARGS:-} > "$OUT/ncu_run.log" 2>&1; tail -3 "$OUT/ncu_run.log"
+    "$NCU" -i "$OUT/ncu_report.ncu-rep" --page details --print-details all > "$OUT/ncu.log" 2>&1
+    "$NCU" -i "$OUT/ncu_report.ncu-rep" --page source --print-source sass --csv \
+      > "$OUT/ncu_sass.csv" 2>&1
+    grep -i "stall\|pipe\|bank\|Issue\|Eligible\|Throughput" "$OUT/ncu.log" | head -80
+    wc -l "$OUT/ncu_sass.csv"
   else
     echo "ncu: not on this machine" | tee "$OUT/ncu.log"
   fi

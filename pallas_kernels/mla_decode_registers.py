@@ -65,7 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import F32
-from pallas_kernels.mla_decode import BLOCK_KV, FP8_E4M3, DecodeConfig, Geometry, combine
+from pallas_kernels.mla_decode import BLOCK_KV, FP8_E4M3, LOG2E, DecodeConfig, Geometry, combine
 from pallas_kernels.mla_decode_narrow import SMEM_LIMIT, padded_rows, run_rows_as_n
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8,
                                              decode_kernel, masked_positions, online_softmax,
@@ -75,6 +75,7 @@ from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_f
 
 MAX_ROWS = 16           # more rows: the narrow path's converted tile is faster (below)
 MAX_STAGES = 4
+P_SLOTS = 2             # softmax steps whose weights shared memory holds (`publish_weights`)
 PAIRS = 64              # 16-bit column pairs a load: 128 fp8 columns
 # The fp8 nope ring in tiles of 8 rows x SWIZZLE bytes, swizzled as wide: its TMA copies
 # then read SWIZZLE bytes of a row a request. The narrow and wide paths' 64-byte tiles
@@ -140,11 +141,41 @@ def score_columns(R: int) -> np.ndarray:
   return pairs.swapaxes(1, 2).reshape(R)
 
 
-def _permute_q(q2, R: int):
-  """q2 (B, N, R + Rr) with its nope columns in `score_columns` order (one XLA transpose)."""
-  B, N, _ = q2.shape
-  nope = q2[..., :R].reshape(B, N, R // 128, 32, 2, 2).swapaxes(3, 4)
-  return jnp.concatenate([nope.reshape(B, N, R), q2[..., R:]], axis=-1)
+KEY_DTYPE = jnp.float16   # the score product's nope operands (`prepare_q`)
+
+
+def _permute_q(nope, R: int):
+  """q's nope columns (B, N, R) in `score_columns` order (one XLA transpose)."""
+  B, N, _ = nope.shape
+  return nope.reshape(B, N, R // 128, 32, 2, 2).swapaxes(3, 4).reshape(B, N, R)
+
+
+def prepare_q(q2, R: int, dtype, score_scale: float, *, permute: bool):
+  """q2 (B, N, R + Rr) in `dtype` -> (its nope columns (B, N, R) float16, its rope columns
+  (B, N, Rr) `dtype`, the factors (B, N) float32 that turn a query row's product with a
+  dequantized-but-unscaled key into its exp2-domain score).
+
+  The score product's nope part runs in float16 (`KEY_DTYPE`) whatever q's dtype: fp8 ->
+  f16 is one instruction a pair, fp8 -> bf16 three more (the values stay in `dtype`). For
+  bf16 q each row is first divided by a power of two that puts its largest finite
+  magnitude in [2^14, 2^15): every bf16 value within 2^-28 of the row's largest is then an
+  f16 value, exactly (bf16 has 8 significant bits, f16 11), and the power of two goes into
+  the row's factor (exact). The rope columns, divided by the same power of two (exact in
+  bf16), stay in `dtype` for their own product. With `permute` the nope columns are put in
+  `score_columns` order (the GPU kernel; the interpret-mode stand-in reads them in order)."""
+  qf = q2.astype(F32)
+  if jnp.dtype(dtype) != jnp.dtype(KEY_DTYPE):
+    amax = jnp.where(jnp.isfinite(qf), jnp.abs(qf), 0.0).max(axis=-1)
+    _, exponent = jnp.frexp(amax)                   # amax < 2^exponent
+    power = jnp.ldexp(jnp.float32(1.0), jnp.clip(exponent - 15, -126, 127))
+    e = jnp.where(amax > 0, power, 1.0)
+    qf = qf / e[..., None]
+  else:
+    e = jnp.ones(q2.shape[:2], F32)
+  nope = qf[..., :R].astype(KEY_DTYPE)
+  if permute:
+    nope = _permute_q(nope, R)
+  return nope, qf[..., R:].astype(dtype), e * jnp.float32(score_scale)
 
 
 def value_operands(pairs, dtype):
@@ -172,10 +203,10 @@ def _stages(geo: Geometry, config: DecodeConfig) -> int:
 def _smem_bytes(geo: Geometry, N: int, stages: int) -> int:
   size = geo.dtype.itemsize
   kb = lambda n: -(-n // 1024) * 1024     # every allocation is aligned to 1 KB
-  return (kb(N * (geo.R + geo.Rr) * size)                     # q
+  return (kb(N * geo.R * 2) + kb(N * geo.Rr * size) + kb(4 * N)   # q nope, rope, factors
           + stages * (kb(BLOCK_KV * geo.R) + kb(BLOCK_KV * geo.Rr * size) + kb(4 * BLOCK_KV))
-          + kb(N * BLOCK_KV * size) + kb(geo.R * N * size)    # P, out^T staging
-          + 2 * kb(4 * N) + 2048)                             # alpha / lse, sum, barriers
+          + P_SLOTS * kb(N * BLOCK_KV * size) + kb(geo.R * N * size)   # P, out^T staging
+          + (1 + P_SLOTS) * kb(4 * N) + 2048)                 # alpha / lse, sum, barriers
 
 
 def takes(geo: Geometry, config: DecodeConfig) -> str | None:
@@ -211,26 +242,28 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
                        finish=finish, sm_scale=sm_scale, stages=_stages(geo, config))
 
 
-def _build(interpret, *, R, **static):
-  """The kernel; on the GPU after q's nope columns are put in `score_columns` order (the
-  interpret-mode stand-in reads them in order)."""
-  kernel = _kernel(interpret, R=R, **static)
-  if interpret:
-    return kernel
-  return lambda nope, scale, rope, q2, meta: kernel(nope, scale, rope, _permute_q(q2, R), meta)
+def _build(interpret, *, R, dtype, sm_scale, **static):
+  """The kernel behind `prepare_q` (q's nope columns in `score_columns` order on the GPU;
+  the interpret-mode stand-in reads them in order)."""
+  kernel = _kernel(interpret, R=R, dtype=dtype, **static)
+
+  def call(nope, scale, rope, q2, meta):
+    qn, qr, qe = prepare_q(q2, R, dtype, sm_scale * LOG2E, permute=not interpret)
+    return kernel(nope, scale, rope, qn, qr, qe, meta)
+
+  return call
 
 
-def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_scale,
-            stages):
-  pro = prologue(dtype, page_size, sm_scale)
-  tile, _, copies, score_scale, row_vec, col_vec = pro
+def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, stages):
+  pro = prologue(dtype, page_size, 1.0)
+  tile, _, copies, _, row_vec, col_vec = pro
   n_chunks = R // (2 * PAIRS)
 
-  def body(nope_ref, scale_ref, rope_ref, q_ref, meta_ref, out_ref, lse_ref,
-           q_smem, fp8_union, rope_smem, scale_smem, p_smem, o_smem, alpha_smem, l_smem,
+  def body(nope_ref, scale_ref, rope_ref, qn_ref, qr_ref, qe_ref, meta_ref, out_ref, lse_ref,
+           qn_smem, qr_smem, qe_smem, fp8_union, rope_smem, scale_smem, p_smem, o_smem, alpha_smem, l_smem,
            *rest):
     if interpret:
-      tiles, *rest = rest
+      tiles, key_tiles, *rest = rest
     q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free = rest
     fp8_smem, u16_smem = fp8_union
     prog = program(meta_ref, P, splits)
@@ -240,31 +273,38 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
                           free_bar=free_bar, stages=stages, page_size=page_size, P=P)
 
     def scores(slot):
-      """S^T (BLOCK_KV, N) of the block in `slot` (unscaled)."""
-      q_rope = q_smem.at[:, pl.ds(R, Rr)].transpose((1, 0))
+      """S^T (BLOCK_KV, N) of the block in `slot`, over q divided by its rows' powers of
+      two and the keys not multiplied by their scales (`prepare_q`)."""
 
       def product(s_ref):
         if interpret:
           # Stand-in: the block converted into this stage's tile (read again for values).
-          convert_fp8(fp8_smem, tiles, (pl.ds(c, CONVERT_COLS) for c in range(0, R, CONVERT_COLS)),
-                      dtype, plgpu.Layout.WGMMA_UPCAST_2X, src_lead=(slot,), dst_lead=(slot,))
+          # The block converted into this stage's tiles: f16 for the scores, `dtype` for the
+          # values (which read it again).
+          for t, cd in ((key_tiles, KEY_DTYPE), (tiles, dtype)):
+            convert_fp8(fp8_smem, t, (pl.ds(c, CONVERT_COLS) for c in range(0, R, CONVERT_COLS)),
+                        cd, plgpu.Layout.WGMMA_UPCAST_2X, src_lead=(slot,), dst_lead=(slot,))
           plgpu.commit_smem()
-          plgpu.wgmma(s_ref, tiles.at[slot], q_smem.at[:, pl.ds(0, R)].transpose((1, 0)))
+          plgpu.wgmma(s_ref, key_tiles.at[slot], qn_smem.transpose((1, 0)))
         else:
           for c in range(n_chunks):
             quads = plgpu.load(u16_smem.at[slot, :, pl.ds(PAIRS * c, PAIRS)], layout=WGMMA)
-            for h, key in enumerate(key_operands(quads, dtype)):
+            for h, key in enumerate(key_operands(quads, KEY_DTYPE)):
               cols = pl.ds(2 * PAIRS * c + PAIRS * h, PAIRS)   # (q in `score_columns` order)
-              plgpu.wgmma(s_ref, key, q_smem.at[:, cols].transpose((1, 0)))
-        plgpu.wgmma(s_ref, rope_smem.at[slot], q_rope)
+              plgpu.wgmma(s_ref, key, qn_smem.at[:, cols].transpose((1, 0)))
+        plgpu.wgmma(s_ref, rope_smem.at[slot], qr_smem.transpose((1, 0)))
         return s_ref[...]
 
       return pl.run_scoped(product, plgpu.ACC((BLOCK_KV, N), F32))
 
-    def values(slot, accs):
-      """accs += V^T . P over the block in `slot`: tile 2c + s holds the columns
+    def weights(ref, i):
+      """The slot of `ref` (p_smem, alpha_smem, p_ready, p_free) that step i uses."""
+      return ref.at[lax.rem(i, P_SLOTS)] if P_SLOTS > 1 else ref
+
+    def values(slot, accs, w_smem):
+      """accs += V^T . W over the block in `slot`: tile 2c + s holds the columns
       128 c + s + 2 r (r < 64), as `value_operands` makes them."""
-      p_t = p_smem.transpose((1, 0))
+      p_t = w_smem.transpose((1, 0))
       if interpret:
         return tuple(accumulate(
             acc, tiles.at[slot, :, pl.ds(2 * PAIRS * (m // 2) + m % 2, 64, stride=2)].transpose(
@@ -281,8 +321,10 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
 
     @pl.when(wg == 0)
     def _softmax():
-      plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
+      for src, dst in ((qn_ref, qn_smem), (qr_ref, qr_smem), (qe_ref, qe_smem)):
+        plgpu.copy_gmem_to_smem(src.at[b], dst, q_bar)
       plgpu.barrier_wait(q_bar)
+      q_factor = lax.broadcast_in_dim(plgpu.load(qe_smem, layout=col_vec), (BLOCK_KV, N), [1])
       tok = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, N), 0, layout=WGMMA)
       qrow = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, N), 1, layout=WGMMA)
       # Query j (row r = j * H + h) sees positions <= length - s_q + j.
@@ -302,18 +344,18 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
         plgpu.barrier_arrive(free_bar.at[slot])   # (this warpgroup is done with the stage)
         with jax.named_scope("softmax"):
           pos = masked_positions(tok, first + i, bad, page_size=page_size)
-          s = jnp.where(pos <= limit, s * row_scale * score_scale, -jnp.inf)
+          s = jnp.where(pos <= limit, s * row_scale * q_factor, -jnp.inf)
           m_i, alpha, p, l_part = online_softmax(s, m_i, l_part, 0)
           # (a masked row's scale may be NaN or inf: its weight 0 must stay 0)
           p = jnp.where(pos <= limit, p * row_scale, 0.0)
         with jax.named_scope("publish"):
           publish_weights(i, p, alpha, p_smem=p_smem, alpha_smem=alpha_smem, p_free=p_free,
-                          p_ready=p_ready)
+                          p_ready=p_ready, slots=P_SLOTS)
         return m_i, l_part
 
       m_i, l_part = carry
-      softmax_end(m_i, l_part, n_steps, l_smem=l_smem, staging=alpha_smem, p_free=p_free,
-                  dst=lse_ref.at[b, sp])
+      softmax_end(m_i, l_part, n_steps, l_smem=l_smem, staging=weights(alpha_smem, 0),
+                  p_free=p_free, dst=lse_ref.at[b, sp], slots=P_SLOTS)
       warpgroup_sync(sync_bar)      # the sums are in l_smem
       plgpu.wait_smem_to_gmem(0)
 
@@ -329,16 +371,17 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
         with jax.named_scope("wait_kv"):
           plgpu.barrier_wait(kv_bar.at[slot])
         with jax.named_scope("wait_p"):
-          plgpu.barrier_wait(p_ready)
+          plgpu.barrier_wait(weights(p_ready, i))
         with jax.named_scope("values"):
           # The block's scores are done: this warpgroup alone reads the stage now.
           zero_masked_rows(tiles.at[slot] if interpret else u16_smem.at[slot], first + i,
                            length, lambda: page_flags(ok_ref, b, first + i,
                                                       page_size=page_size, P=P),
                            page_size=page_size, n_masked=n_masked)
-          alpha = lax.broadcast_in_dim(plgpu.load(alpha_smem, layout=col_vec), (64, N), [1])
-          accs = values(slot, tuple(acc * alpha for acc in accs))
-        plgpu.barrier_arrive(p_free)
+          alpha = lax.broadcast_in_dim(plgpu.load(weights(alpha_smem, i), layout=col_vec),
+                                       (64, N), [1])
+          accs = values(slot, tuple(acc * alpha for acc in accs), weights(p_smem, i))
+        plgpu.barrier_arrive(weights(p_free, i))
         plgpu.barrier_arrive(free_bar.at[slot])
         ring_io.refill(i)
         return accs
@@ -354,27 +397,32 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, sp])
       plgpu.wait_smem_to_gmem(0)
 
+  slots = (P_SLOTS,) if P_SLOTS > 1 else ()
   smem = [
-      plgpu.SMEM((N, R + Rr), dtype, transforms=tile),                        # q
+      plgpu.SMEM((N, R), KEY_DTYPE, transforms=tile),                         # q nope
+      plgpu.SMEM((N, Rr), dtype, transforms=tile),                            # q rope
+      plgpu.SMEM((N,), F32),                                                  # q's factors
       plgpu.RefUnion(plgpu.SMEM((stages, BLOCK_KV, R), FP8_E4M3, transforms=FP8_TILE),
                      plgpu.SMEM((stages, BLOCK_KV, R // 2), jnp.uint16,
                             transforms=U16_TILE)),                            # fp8 nope ring
       plgpu.SMEM((stages, BLOCK_KV, Rr), dtype, transforms=tile),             # rope ring
       plgpu.SMEM((stages, BLOCK_KV), F32),                                    # scale ring
-      plgpu.SMEM((N, BLOCK_KV), dtype, transforms=tile),                      # P
+      plgpu.SMEM((*slots, N, BLOCK_KV), dtype, transforms=tile),              # P
       plgpu.SMEM((R, N), dtype),                             # out^T staging, tile by tile
-      plgpu.SMEM((N,), F32),                                                  # alpha, then lse
+      plgpu.SMEM((*slots, N), F32),                                           # alpha, then lse
       plgpu.SMEM((N,), F32),                                                  # the sums
   ]
   if interpret:
-    smem.append(plgpu.SMEM((stages, BLOCK_KV, R), dtype, transforms=tile))   # stand-in tiles
+    smem += [plgpu.SMEM((stages, BLOCK_KV, R), cd, transforms=tile)          # stand-in tiles
+             for cd in (dtype, KEY_DTYPE)]
+  per_slot = dict(num_barriers=P_SLOTS) if P_SLOTS > 1 else {}
   barriers = [
-      plgpu.Barrier(num_arrivals=1),                                   # q
+      plgpu.Barrier(num_arrivals=3),                                   # q (3 copies)
       plgpu.Barrier(num_arrivals=3 * copies, num_barriers=stages),     # block landed
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),              # stage free (both)
       plgpu.Barrier(num_arrivals=2),                                   # both warpgroups
-      plgpu.Barrier(num_arrivals=1),                                   # P ready (wg 0 -> 1)
-      plgpu.Barrier(num_arrivals=1),                                   # P free (wg 1 -> 0)
+      plgpu.Barrier(num_arrivals=1, **per_slot),                       # P ready (wg 0 -> 1)
+      plgpu.Barrier(num_arrivals=1, **per_slot),                       # P free (wg 1 -> 0)
   ]
   return decode_kernel(body, out_shape=(R, N), rows=N, dtype=dtype, scratch=smem + barriers,
                        splits=splits, B=B, num_threads=2, name="mla_decode_registers",

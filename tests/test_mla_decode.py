@@ -454,10 +454,63 @@ def test_register_path_puts_q_in_its_score_order():
   for j in (0, 5, 31):
     assert list(cols[[2 * j, 2 * j + 1, 64 + 2 * j, 65 + 2 * j]]) == list(range(4 * j, 4 * j + 4))
   assert cols[128] == 128
-  q = np.arange(2 * 16 * 576).reshape(2, 16, 576).astype(np.float32)
+  q = np.arange(2 * 16 * 512).reshape(2, 16, 512).astype(np.float32)
   got = np.asarray(registers._permute_q(jnp.asarray(q), 512))
-  np.testing.assert_array_equal(got[..., :512], q[..., cols])
-  np.testing.assert_array_equal(got[..., 512:], q[..., 512:])
+  np.testing.assert_array_equal(got, q[..., cols])
+
+
+def test_register_path_q_in_float16_is_exact():
+  """`prepare_q` (bf16): each row divided by a power of two that puts its largest finite
+  magnitude in [2^14, 2^15), the nope columns then in float16 -- exactly the bf16 values
+  within 2^-28 of the row's largest --, the rope columns divided by the same power of two
+  in bf16 (exact), the power of two times the scale in the row's factor; inf / NaN pass."""
+  registers = kernel._path("registers")
+  rng = np.random.default_rng(3)
+  mags = [1e-30, 1e-3, 1.0, 3e4, 1e30, 0.0, 1.0, 1.0]
+  q = rng.standard_normal((2, 8, 576)) * np.asarray(mags)[None, :, None]
+  q[0, 6, 7] = np.inf
+  q[1, 7, 600 - 64] = np.nan
+  q[0, 2, 3] = 1e-12                       # below 2^-28 of its row's largest: rounded
+  q = jnp.asarray(q, jnp.bfloat16)
+  nope, rope, factor = registers.prepare_q(q, 512, jnp.bfloat16, 0.5, permute=False)
+  assert nope.dtype == jnp.float16 and rope.dtype == jnp.bfloat16 and factor.dtype == jnp.float32
+  chex.assert_shape((nope, rope, factor), ((2, 8, 512), (2, 8, 64), (2, 8)))
+  q64 = np.asarray(q, np.float64)
+  e = np.asarray(factor, np.float64) / 0.5
+  finite = np.where(np.isfinite(q64), np.abs(q64), 0).max(-1)
+  assert np.all(np.log2(e) == np.round(np.log2(e)))                  # powers of two
+  assert np.all((finite / e < 2.0 ** 15) & ((finite / e >= 2.0 ** 14) | (finite == 0)))
+  back = np.concatenate([np.asarray(nope, np.float64), np.asarray(rope, np.float64)], -1)
+  back = back * e[..., None]
+  near = np.abs(q64) >= finite[..., None] * 2.0 ** -28
+  np.testing.assert_array_equal(back[near], q64[near])
+  assert np.isposinf(back[0, 6, 7]) and np.isnan(back[1, 7, 536])
+  assert abs(back[0, 2, 3] - 1e-12) <= 2.0 ** -25 * e[0, 2]
+  assert not np.any(np.asarray(nope)[0, 5]) and e[0, 5] == 1.0       # a zero row: factor 1
+  permuted, _, _ = registers.prepare_q(q, 512, jnp.bfloat16, 0.5, permute=True)
+  np.testing.assert_array_equal(np.asarray(permuted),
+                                np.asarray(nope)[..., registers.score_columns(512)])
+  # float16 q: unchanged, factor = the scale
+  qh = q.astype(jnp.float16)
+  nope, rope, factor = registers.prepare_q(qh, 512, jnp.float16, 0.5, permute=False)
+  np.testing.assert_array_equal(np.asarray(nope), np.asarray(qh)[..., :512])
+  assert np.all(np.asarray(factor) == 0.5)
+
+
+def test_register_path_wide_magnitudes_interpret(rng):
+  """Query rows of magnitudes 10^-3 .. 10^3 (f16 score products over q rescaled per row)
+  and cache rows of 10^-4 .. 10^4 against the float64 model."""
+  cfg = CONFIGS["pth"].replace(page_size=64, size=1024)
+  cache = filled_cache(cfg, rng, spread=4.0)
+  q, table, lens = problem(cfg, rng, B=2, s_q=1, H=16, P=4, bad_pages=False)
+  q = (np.asarray(q, np.float32) / 0.05 * 10.0 ** np.linspace(-3, 3, 16)[None, None, :, None])
+  q = jnp.asarray(q, jnp.bfloat16)
+  lens = np.asarray([200, 256], np.int32)
+  args = dict(sm_scale=0.01, page_size=64, kv_lora_rank=512)
+  got = jax.jit(lambda *a: kernel.mla_decode(*a, num_splits=2, config=kernel.DecodeConfig(
+      path="registers"), **args))(cache.layer(0), q, jnp.asarray(table), jnp.asarray(lens))
+  want = decode64(cache.layer(0), q, table, lens, **args)
+  assert_close(got, want, lse_atol=1e-2 + 1e-6 * np.abs(want[1]).max())   # lse up to ~1e6
 
 
 E4M3_CODES = np.arange(64 * 512, dtype=np.int64) * 7 % 256  # every code, in a mixed order
