@@ -64,8 +64,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import common
 from pallas_kernels.common import F32
-from pallas_kernels.mla_decode import BLOCK_KV, FP8_E4M3, LOG2E, DecodeConfig, Geometry, combine
+from pallas_kernels.mla_decode import BLOCK_KV, FP8_E4M3, DecodeConfig, Geometry, combine
 from pallas_kernels.mla_decode_narrow import SMEM_LIMIT, padded_rows, run_rows_as_n
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8,
                                              decode_kernel, masked_positions, online_softmax,
@@ -141,41 +142,97 @@ def score_columns(R: int) -> np.ndarray:
   return pairs.swapaxes(1, 2).reshape(R)
 
 
-KEY_DTYPE = jnp.float16   # the score product's nope operands (`prepare_q`)
+KEY_DTYPE = jnp.float16   # the score product's nope operands (`scale_q_rows`)
 
 
-def _permute_q(nope, R: int):
-  """q's nope columns (B, N, R) in `score_columns` order (one XLA transpose)."""
-  B, N, _ = nope.shape
-  return nope.reshape(B, N, R // 128, 32, 2, 2).swapaxes(3, 4).reshape(B, N, R)
+def _permute_q(q2, R: int):
+  """q2 (B, N, R + Rr) with its nope columns in `score_columns` order (one XLA transpose)."""
+  B, N, _ = q2.shape
+  nope = q2[..., :R].reshape(B, N, R // 128, 32, 2, 2).swapaxes(3, 4)
+  return jnp.concatenate([nope.reshape(B, N, R), q2[..., R:]], axis=-1)
 
 
-def prepare_q(q2, R: int, dtype, score_scale: float, *, permute: bool):
-  """q2 (B, N, R + Rr) in `dtype` -> (its nope columns (B, N, R) float16, its rope columns
-  (B, N, Rr) `dtype`, the factors (B, N) float32 that turn a query row's product with a
-  dequantized-but-unscaled key into its exp2-domain score).
+def scale_q_rows(q_smem, qh_smem, R: int, score_scale: float, col_vec):
+  """Warpgroup 0, once a program: q's rows (N, R + Rr) in shared memory (`q_smem`, q's
+  dtype) for the float16 score products (`KEY_DTYPE`), in place; returns the rows' factors
+  (N,) float32 (`col_vec`) that turn a row's product with a dequantized-but-unscaled key
+  into its exp2-domain score.
 
-  The score product's nope part runs in float16 (`KEY_DTYPE`) whatever q's dtype: fp8 ->
-  f16 is one instruction a pair, fp8 -> bf16 three more (the values stay in `dtype`). For
-  bf16 q each row is first divided by a power of two that puts its largest finite
-  magnitude in [2^14, 2^15): every bf16 value within 2^-28 of the row's largest is then an
-  f16 value, exactly (bf16 has 8 significant bits, f16 11), and the power of two goes into
-  the row's factor (exact). The rope columns, divided by the same power of two (exact in
-  bf16), stay in `dtype` for their own product. With `permute` the nope columns are put in
-  `score_columns` order (the GPU kernel; the interpret-mode stand-in reads them in order)."""
-  qf = q2.astype(F32)
-  if jnp.dtype(dtype) != jnp.dtype(KEY_DTYPE):
-    amax = jnp.where(jnp.isfinite(qf), jnp.abs(qf), 0.0).max(axis=-1)
-    _, exponent = jnp.frexp(amax)                   # amax < 2^exponent
-    power = jnp.ldexp(jnp.float32(1.0), jnp.clip(exponent - 15, -126, 127))
-    e = jnp.where(amax > 0, power, 1.0)
-    qf = qf / e[..., None]
-  else:
-    e = jnp.ones(q2.shape[:2], F32)
-  nope = qf[..., :R].astype(KEY_DTYPE)
-  if permute:
-    nope = _permute_q(nope, R)
-  return nope, qf[..., R:].astype(dtype), e * jnp.float32(score_scale)
+  fp8 -> f16 is one instruction a pair, fp8 -> bf16 three more. For bf16 q each row is
+  divided by a power of two that puts its largest finite magnitude in [2^14, 2^15): every
+  bf16 value within 2^-28 of the row's largest is then an f16 value, exactly (bf16 has 8
+  significant bits, f16 11), and the power of two goes into the row's factor (exact). The
+  nope columns go to the float16 view `qh_smem` of the same bytes; the rope columns,
+  divided by the same power of two (exact in bf16), stay in q's dtype for their own
+  product. inf and NaN pass. (In XLA before the kernel this cost ~5 us a call on an H100,
+  three small fusions.) float16 q is left as it is."""
+  N = q_smem.shape[0]
+  if q_smem.dtype == qh_smem.dtype:
+    return plgpu.layout_cast(jnp.full((N,), score_scale, F32), col_vec)
+  chunk = lambda ref, c: ref.at[:, pl.ds(64 * c, 64)].transpose((1, 0))   # (64 columns, N)
+  n = q_smem.shape[1] // 64
+  amax = None
+  for c in range(n):
+    a = jnp.abs(plgpu.load(chunk(q_smem, c), layout=WGMMA).astype(F32))
+    m = jnp.where(a < jnp.inf, a, 0.0).max(axis=0)
+    amax = m if amax is None else jnp.maximum(amax, m)
+  # amax in [2^(E - 127), 2^(E - 126)) for its biased exponent E: the power 2^(E - 141),
+  # kept a normal float32 (the same as frexp's exponent - 15, clipped to [-126, 127]).
+  bits = lax.bitcast_convert_type(amax, jnp.int32)
+  e_bits = lax.shift_left(jnp.clip(lax.shift_right_logical(bits, 23) - 14, 1, 254), 23)
+  e = jnp.where(bits > 0, lax.bitcast_convert_type(e_bits, F32), 1.0)
+  inv = lax.broadcast_in_dim(1.0 / e, (64, N), [1])
+  for c in range(n):
+    x = plgpu.load(chunk(q_smem, c), layout=WGMMA).astype(F32) * inv
+    dst = qh_smem if 64 * c < R else q_smem
+    chunk(dst, c)[...] = x.astype(dst.dtype)
+  plgpu.commit_smem()
+  return e * score_scale
+
+
+def q_buffer(N: int, W: int, dtype, tile):
+  """Shared memory for q's rows: for bf16 q the same bytes seen as bf16 and as float16
+  (`scale_q_rows`); `q_views` gives the two refs in the kernel."""
+  if jnp.dtype(dtype) == jnp.dtype(KEY_DTYPE):
+    return plgpu.SMEM((N, W), dtype, transforms=tile)
+  return plgpu.RefUnion(plgpu.SMEM((N, W), dtype, transforms=tile),
+                        plgpu.SMEM((N, W), KEY_DTYPE, transforms=tile))
+
+
+def q_views(ref, dtype):
+  """(q's dtype, float16) views of a `q_buffer` of `dtype`."""
+  if jnp.dtype(dtype) == jnp.dtype(KEY_DTYPE):
+    return ref, ref
+  q, qh = ref
+  return q, qh
+
+
+def scale_q_kernel(N: int, W: int, R: int, dtype, *, interpret: bool = False):
+  """A one-warpgroup kernel around `scale_q_rows` (for the tests): q (N, W) `dtype` ->
+  (its bytes after the call seen as `dtype` (the rope columns) and as float16 (the nope
+  columns), both (N, W); the factors (N,) float32 for a score scale of 1)."""
+  pro = prologue(dtype, 64, 1.0)
+
+  def body(q_ref, rope_ref, nope_ref, f_ref, q_buf, f_smem, bar):
+    q_smem, qh_smem = q_views(q_buf, dtype)
+    plgpu.copy_gmem_to_smem(q_ref, q_smem, bar)
+    plgpu.barrier_wait(bar)
+    f_smem[...] = scale_q_rows(q_smem, qh_smem, R, 1.0, pro.col_vec)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, rope_ref)
+    plgpu.copy_smem_to_gmem(qh_smem, nope_ref)
+    plgpu.copy_smem_to_gmem(f_smem, f_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  return plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((N, W), dtype),
+                jax.ShapeDtypeStruct((N, W), KEY_DTYPE), jax.ShapeDtypeStruct((N,), F32)),
+      scratch_types=[q_buffer(N, W, dtype, pro.tile), plgpu.SMEM((N,), F32),
+                     plgpu.Barrier(num_arrivals=1)],
+      num_threads=1, thread_name="wg", kernel_name="scale_q_rows",
+      interpret=common.interpret_params() if interpret else None,
+  )
 
 
 def value_operands(pairs, dtype):
@@ -203,7 +260,7 @@ def _stages(geo: Geometry, config: DecodeConfig) -> int:
 def _smem_bytes(geo: Geometry, N: int, stages: int) -> int:
   size = geo.dtype.itemsize
   kb = lambda n: -(-n // 1024) * 1024     # every allocation is aligned to 1 KB
-  return (kb(N * geo.R * 2) + kb(N * geo.Rr * size) + kb(4 * N)   # q nope, rope, factors
+  return (kb(N * (geo.R + geo.Rr) * size)                     # q
           + stages * (kb(BLOCK_KV * geo.R) + kb(BLOCK_KV * geo.Rr * size) + kb(4 * BLOCK_KV))
           + P_SLOTS * kb(N * BLOCK_KV * size) + kb(geo.R * N * size)   # P, out^T staging
           + (1 + P_SLOTS) * kb(4 * N) + 2048)                 # alpha / lse, sum, barriers
@@ -242,30 +299,30 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
                        finish=finish, sm_scale=sm_scale, stages=_stages(geo, config))
 
 
-def _build(interpret, *, R, dtype, sm_scale, **static):
-  """The kernel behind `prepare_q` (q's nope columns in `score_columns` order on the GPU;
-  the interpret-mode stand-in reads them in order)."""
-  kernel = _kernel(interpret, R=R, dtype=dtype, **static)
-
-  def call(nope, scale, rope, q2, meta):
-    qn, qr, qe = prepare_q(q2, R, dtype, sm_scale * LOG2E, permute=not interpret)
-    return kernel(nope, scale, rope, qn, qr, qe, meta)
-
-  return call
+def _build(interpret, *, R, **static):
+  """The kernel; on the GPU after q's nope columns are put in `score_columns` order (the
+  interpret-mode stand-in reads them in order)."""
+  kernel = _kernel(interpret, R=R, **static)
+  if interpret:
+    return kernel
+  return lambda nope, scale, rope, q2, meta: kernel(nope, scale, rope, _permute_q(q2, R), meta)
 
 
-def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, stages):
-  pro = prologue(dtype, page_size, 1.0)
-  tile, _, copies, _, row_vec, col_vec = pro
+def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_scale,
+            stages):
+  pro = prologue(dtype, page_size, sm_scale)
+  tile, _, copies, score_scale, row_vec, col_vec = pro
   n_chunks = R // (2 * PAIRS)
 
-  def body(nope_ref, scale_ref, rope_ref, qn_ref, qr_ref, qe_ref, meta_ref, out_ref, lse_ref,
-           qn_smem, qr_smem, qe_smem, fp8_union, rope_smem, scale_smem, p_smem, o_smem, alpha_smem, l_smem,
+  def body(nope_ref, scale_ref, rope_ref, q_ref, meta_ref, out_ref, lse_ref,
+           q_buf, fp8_union, rope_smem, scale_smem, p_smem, o_smem, alpha_smem, l_smem,
            *rest):
     if interpret:
       tiles, key_tiles, *rest = rest
     q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free = rest
     fp8_smem, u16_smem = fp8_union
+    q_smem, qh_smem = q_views(q_buf, dtype)   # (q's dtype; f16 nope: `scale_q_rows`)
+    qn_smem = qh_smem.at[:, pl.ds(0, R)]
     prog = program(meta_ref, P, splits)
     (_, ok_ref, _, masked_ref), b, sp, wg, length, first, n_steps = prog
     ring_io = ring_loader(wg == 1, (nope_ref, rope_ref, scale_ref),
@@ -292,7 +349,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, stag
             for h, key in enumerate(key_operands(quads, KEY_DTYPE)):
               cols = pl.ds(2 * PAIRS * c + PAIRS * h, PAIRS)   # (q in `score_columns` order)
               plgpu.wgmma(s_ref, key, qn_smem.at[:, cols].transpose((1, 0)))
-        plgpu.wgmma(s_ref, rope_smem.at[slot], qr_smem.transpose((1, 0)))
+        plgpu.wgmma(s_ref, rope_smem.at[slot], q_smem.at[:, pl.ds(R, Rr)].transpose((1, 0)))
         return s_ref[...]
 
       return pl.run_scoped(product, plgpu.ACC((BLOCK_KV, N), F32))
@@ -321,10 +378,10 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, stag
 
     @pl.when(wg == 0)
     def _softmax():
-      for src, dst in ((qn_ref, qn_smem), (qr_ref, qr_smem), (qe_ref, qe_smem)):
-        plgpu.copy_gmem_to_smem(src.at[b], dst, q_bar)
+      plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
       plgpu.barrier_wait(q_bar)
-      q_factor = lax.broadcast_in_dim(plgpu.load(qe_smem, layout=col_vec), (BLOCK_KV, N), [1])
+      q_factor = lax.broadcast_in_dim(scale_q_rows(q_smem, qh_smem, R, score_scale, col_vec),
+                                      (BLOCK_KV, N), [1])
       tok = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, N), 0, layout=WGMMA)
       qrow = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, N), 1, layout=WGMMA)
       # Query j (row r = j * H + h) sees positions <= length - s_q + j.
@@ -399,9 +456,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, stag
 
   slots = (P_SLOTS,) if P_SLOTS > 1 else ()
   smem = [
-      plgpu.SMEM((N, R), KEY_DTYPE, transforms=tile),                         # q nope
-      plgpu.SMEM((N, Rr), dtype, transforms=tile),                            # q rope
-      plgpu.SMEM((N,), F32),                                                  # q's factors
+      q_buffer(N, R + Rr, dtype, tile),                                       # q
       plgpu.RefUnion(plgpu.SMEM((stages, BLOCK_KV, R), FP8_E4M3, transforms=FP8_TILE),
                      plgpu.SMEM((stages, BLOCK_KV, R // 2), jnp.uint16,
                             transforms=U16_TILE)),                            # fp8 nope ring
@@ -417,7 +472,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, stag
              for cd in (dtype, KEY_DTYPE)]
   per_slot = dict(num_barriers=P_SLOTS) if P_SLOTS > 1 else {}
   barriers = [
-      plgpu.Barrier(num_arrivals=3),                                   # q (3 copies)
+      plgpu.Barrier(num_arrivals=1),                                   # q
       plgpu.Barrier(num_arrivals=3 * copies, num_barriers=stages),     # block landed
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),              # stage free (both)
       plgpu.Barrier(num_arrivals=2),                                   # both warpgroups
