@@ -443,42 +443,29 @@ def softmax_start(N: int, col_vec) -> tuple:
           plgpu.layout_cast(jnp.full((BLOCK_KV, N), 0.0, F32), plgpu.Layout.WGMMA))
 
 
-def softmax_end(m_i, l_part, n_steps, *, l_smem, staging, p_free, dst, slots: int = 1) -> None:
+def softmax_end(m_i, l_part, n_steps, *, l_smem, staging, p_free, dst) -> None:
   """Warpgroup 0 after its last block of S^T: the running sums reduced over the tokens into
   `l_smem` (both warpgroups divide their outputs by them), the other warpgroup's last
-  releases of P observed (`p_free`; with ``slots`` > 1 one barrier a slot, as
-  `publish_weights`), then lse = ln(sum) + max (natural log; -inf where nothing was
-  visible) through the shared-memory ref `staging` to the global-memory ref `dst`."""
+  release of P observed (`p_free`), then lse = ln(sum) + max (natural log; -inf where
+  nothing was visible) through the shared-memory ref `staging` to the global-memory ref
+  `dst`."""
   l_i = l_part.sum(axis=0)
   l_smem[...] = l_i
 
-  if slots == 1:
-    @pl.when(n_steps > 0)
-    def _():
-      plgpu.barrier_wait(p_free)
-  else:
-    @pl.loop(jnp.maximum(n_steps - slots, 0), n_steps)
-    def _(i):
-      plgpu.barrier_wait(p_free.at[lax.rem(i, slots)])
+  @pl.when(n_steps > 0)
+  def _():
+    plgpu.barrier_wait(p_free)
   has = l_i > 0
   staging[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2, -jnp.inf)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(staging, dst)
 
 
-def publish_weights(i, p, alpha, *, p_smem, alpha_smem, p_free, p_ready, slots: int = 1) -> None:
+def publish_weights(i, p, alpha, *, p_smem, alpha_smem, p_free, p_ready) -> None:
   """Warpgroup 0 hands step i's softmax to the other compute warpgroup: it waits until
-  that one has consumed the weights last held by the slot it writes (p_free), stores P
-  (transposed into p_smem) and alpha, and signals p_ready. With ``slots`` > 1, p_smem
-  (slots, N, BLOCK_KV), alpha_smem (slots, N) and the two barriers (one a slot) hold the
-  weights of the last ``slots`` steps: step i + 1 is published while the other warpgroup
-  still multiplies step i's."""
-  if slots > 1:
-    slot = lax.rem(i, slots)
-    p_smem, alpha_smem = p_smem.at[slot], alpha_smem.at[slot]
-    p_free, p_ready = p_free.at[slot], p_ready.at[slot]
-
-  @pl.when(i >= slots)
+  that one has consumed step i - 1's (p_free), stores P (transposed into p_smem) and
+  alpha, and signals p_ready."""
+  @pl.when(i > 0)
   def _():
     plgpu.barrier_wait(p_free)
   p_smem.transpose((1, 0))[...] = p.astype(p_smem.dtype)

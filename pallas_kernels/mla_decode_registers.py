@@ -76,7 +76,6 @@ from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_f
 
 MAX_ROWS = 16           # more rows: the narrow path's converted tile is faster (below)
 MAX_STAGES = 4
-P_SLOTS = 2             # softmax steps whose weights shared memory holds (`publish_weights`)
 PAIRS = 64              # 16-bit column pairs a load: 128 fp8 columns
 # The fp8 nope ring in tiles of 8 rows x SWIZZLE bytes, swizzled as wide: its TMA copies
 # then read SWIZZLE bytes of a row a request. The narrow and wide paths' 64-byte tiles
@@ -262,8 +261,8 @@ def _smem_bytes(geo: Geometry, N: int, stages: int) -> int:
   kb = lambda n: -(-n // 1024) * 1024     # every allocation is aligned to 1 KB
   return (kb(N * (geo.R + geo.Rr) * size)                     # q
           + stages * (kb(BLOCK_KV * geo.R) + kb(BLOCK_KV * geo.Rr * size) + kb(4 * BLOCK_KV))
-          + P_SLOTS * kb(N * BLOCK_KV * size) + kb(geo.R * N * size)   # P, out^T staging
-          + (1 + P_SLOTS) * kb(4 * N) + 2048)                 # alpha / lse, sum, barriers
+          + kb(N * BLOCK_KV * size) + kb(geo.R * N * size)    # P, out^T staging
+          + 2 * kb(4 * N) + 2048)                             # alpha / lse, sum, barriers
 
 
 def takes(geo: Geometry, config: DecodeConfig) -> str | None:
@@ -354,14 +353,10 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
 
       return pl.run_scoped(product, plgpu.ACC((BLOCK_KV, N), F32))
 
-    def weights(ref, i):
-      """The slot of `ref` (p_smem, alpha_smem, p_ready, p_free) that step i uses."""
-      return ref.at[lax.rem(i, P_SLOTS)] if P_SLOTS > 1 else ref
-
-    def values(slot, accs, w_smem):
-      """accs += V^T . W over the block in `slot`: tile 2c + s holds the columns
+    def values(slot, accs):
+      """accs += V^T . P over the block in `slot`: tile 2c + s holds the columns
       128 c + s + 2 r (r < 64), as `value_operands` makes them."""
-      p_t = w_smem.transpose((1, 0))
+      p_t = p_smem.transpose((1, 0))
       if interpret:
         return tuple(accumulate(
             acc, tiles.at[slot, :, pl.ds(2 * PAIRS * (m // 2) + m % 2, 64, stride=2)].transpose(
@@ -407,12 +402,12 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
           p = jnp.where(pos <= limit, p * row_scale, 0.0)
         with jax.named_scope("publish"):
           publish_weights(i, p, alpha, p_smem=p_smem, alpha_smem=alpha_smem, p_free=p_free,
-                          p_ready=p_ready, slots=P_SLOTS)
+                          p_ready=p_ready)
         return m_i, l_part
 
       m_i, l_part = carry
-      softmax_end(m_i, l_part, n_steps, l_smem=l_smem, staging=weights(alpha_smem, 0),
-                  p_free=p_free, dst=lse_ref.at[b, sp], slots=P_SLOTS)
+      softmax_end(m_i, l_part, n_steps, l_smem=l_smem, staging=alpha_smem, p_free=p_free,
+                  dst=lse_ref.at[b, sp])
       warpgroup_sync(sync_bar)      # the sums are in l_smem
       plgpu.wait_smem_to_gmem(0)
 
@@ -428,17 +423,16 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
         with jax.named_scope("wait_kv"):
           plgpu.barrier_wait(kv_bar.at[slot])
         with jax.named_scope("wait_p"):
-          plgpu.barrier_wait(weights(p_ready, i))
+          plgpu.barrier_wait(p_ready)
         with jax.named_scope("values"):
           # The block's scores are done: this warpgroup alone reads the stage now.
           zero_masked_rows(tiles.at[slot] if interpret else u16_smem.at[slot], first + i,
                            length, lambda: page_flags(ok_ref, b, first + i,
                                                       page_size=page_size, P=P),
                            page_size=page_size, n_masked=n_masked)
-          alpha = lax.broadcast_in_dim(plgpu.load(weights(alpha_smem, i), layout=col_vec),
-                                       (64, N), [1])
-          accs = values(slot, tuple(acc * alpha for acc in accs), weights(p_smem, i))
-        plgpu.barrier_arrive(weights(p_free, i))
+          alpha = lax.broadcast_in_dim(plgpu.load(alpha_smem, layout=col_vec), (64, N), [1])
+          accs = values(slot, tuple(acc * alpha for acc in accs))
+        plgpu.barrier_arrive(p_free)
         plgpu.barrier_arrive(free_bar.at[slot])
         ring_io.refill(i)
         return accs
@@ -454,7 +448,6 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, sp])
       plgpu.wait_smem_to_gmem(0)
 
-  slots = (P_SLOTS,) if P_SLOTS > 1 else ()
   smem = [
       q_buffer(N, R + Rr, dtype, tile),                                       # q
       plgpu.RefUnion(plgpu.SMEM((stages, BLOCK_KV, R), FP8_E4M3, transforms=FP8_TILE),
@@ -462,22 +455,21 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
                             transforms=U16_TILE)),                            # fp8 nope ring
       plgpu.SMEM((stages, BLOCK_KV, Rr), dtype, transforms=tile),             # rope ring
       plgpu.SMEM((stages, BLOCK_KV), F32),                                    # scale ring
-      plgpu.SMEM((*slots, N, BLOCK_KV), dtype, transforms=tile),              # P
+      plgpu.SMEM((N, BLOCK_KV), dtype, transforms=tile),                      # P
       plgpu.SMEM((R, N), dtype),                             # out^T staging, tile by tile
-      plgpu.SMEM((*slots, N), F32),                                           # alpha, then lse
+      plgpu.SMEM((N,), F32),                                                  # alpha, then lse
       plgpu.SMEM((N,), F32),                                                  # the sums
   ]
   if interpret:
     smem += [plgpu.SMEM((stages, BLOCK_KV, R), cd, transforms=tile)          # stand-in tiles
              for cd in (dtype, KEY_DTYPE)]
-  per_slot = dict(num_barriers=P_SLOTS) if P_SLOTS > 1 else {}
   barriers = [
       plgpu.Barrier(num_arrivals=1),                                   # q
       plgpu.Barrier(num_arrivals=3 * copies, num_barriers=stages),     # block landed
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),              # stage free (both)
       plgpu.Barrier(num_arrivals=2),                                   # both warpgroups
-      plgpu.Barrier(num_arrivals=1, **per_slot),                       # P ready (wg 0 -> 1)
-      plgpu.Barrier(num_arrivals=1, **per_slot),                       # P free (wg 1 -> 0)
+      plgpu.Barrier(num_arrivals=1),                                   # P ready (wg 0 -> 1)
+      plgpu.Barrier(num_arrivals=1),                                   # P free (wg 1 -> 0)
   ]
   return decode_kernel(body, out_shape=(R, N), rows=N, dtype=dtype, scratch=smem + barriers,
                        splits=splits, B=B, num_threads=2, name="mla_decode_registers",
