@@ -64,6 +64,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import common
 from pallas_kernels.common import F32
 from pallas_kernels.mla_decode import BLOCK_KV, FP8_E4M3, DecodeConfig, Geometry, combine
 from pallas_kernels.mla_decode_narrow import SMEM_LIMIT, padded_rows, run_rows_as_n
@@ -76,9 +77,14 @@ from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_f
 MAX_ROWS = 16           # more rows: the narrow path's converted tile is faster (below)
 MAX_STAGES = 4
 PAIRS = 64              # 16-bit column pairs a load: 128 fp8 columns
-# The fp8 ring's bytes seen as 16-bit column pairs (the same tiles of 8 x 64 bytes, the
-# same 64-byte swizzle as `Prologue.fp8_tile`).
-U16_TILE = (plgpu.TilingTransform((8, CONVERT_COLS // 2)), plgpu.SwizzleTransform(CONVERT_COLS))
+# The fp8 nope ring in tiles of 8 rows x SWIZZLE bytes, swizzled as wide: its TMA copies
+# then read SWIZZLE bytes of a row a request. The narrow and wide paths' 64-byte tiles
+# (`Prologue.fp8_tile`, for their conversion) made 2.2 sectors an L2 request here against 4
+# for bf16 rows (ncu, H100, `logs/2026-12-06e_ncu_registers_h100.log`).
+SWIZZLE = 128
+FP8_TILE = (plgpu.TilingTransform((8, SWIZZLE)), plgpu.SwizzleTransform(SWIZZLE))
+# The same bytes seen as 16-bit column pairs.
+U16_TILE = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
 WGMMA = plgpu.Layout.WGMMA
 
 # e4m3 x2 (a .b16) -> f16 x2: one instruction, exact; bf16: then each half through float32
@@ -135,11 +141,97 @@ def score_columns(R: int) -> np.ndarray:
   return pairs.swapaxes(1, 2).reshape(R)
 
 
+KEY_DTYPE = jnp.float16   # the score product's nope operands (`scale_q_rows`)
+
+
 def _permute_q(q2, R: int):
   """q2 (B, N, R + Rr) with its nope columns in `score_columns` order (one XLA transpose)."""
   B, N, _ = q2.shape
   nope = q2[..., :R].reshape(B, N, R // 128, 32, 2, 2).swapaxes(3, 4)
   return jnp.concatenate([nope.reshape(B, N, R), q2[..., R:]], axis=-1)
+
+
+def scale_q_rows(q_smem, qh_smem, R: int, score_scale: float, col_vec):
+  """Warpgroup 0, once a program: q's rows (N, R + Rr) in shared memory (`q_smem`, q's
+  dtype) for the float16 score products (`KEY_DTYPE`), in place; returns the rows' factors
+  (N,) float32 (`col_vec`) that turn a row's product with a dequantized-but-unscaled key
+  into its exp2-domain score.
+
+  fp8 -> f16 is one instruction a pair, fp8 -> bf16 three more. For bf16 q each row is
+  divided by a power of two that puts its largest finite magnitude in [2^14, 2^15): every
+  bf16 value within 2^-28 of the row's largest is then an f16 value, exactly (bf16 has 8
+  significant bits, f16 11), and the power of two goes into the row's factor (exact). The
+  nope columns go to the float16 view `qh_smem` of the same bytes; the rope columns,
+  divided by the same power of two (exact in bf16), stay in q's dtype for their own
+  product. inf and NaN pass. (In XLA before the kernel this cost ~5 us a call on an H100,
+  three small fusions.) float16 q is left as it is."""
+  N = q_smem.shape[0]
+  if q_smem.dtype == qh_smem.dtype:
+    return plgpu.layout_cast(jnp.full((N,), score_scale, F32), col_vec)
+  chunk = lambda ref, c: ref.at[:, pl.ds(64 * c, 64)].transpose((1, 0))   # (64 columns, N)
+  n = q_smem.shape[1] // 64
+  amax = None
+  for c in range(n):
+    a = jnp.abs(plgpu.load(chunk(q_smem, c), layout=WGMMA).astype(F32))
+    m = jnp.where(a < jnp.inf, a, 0.0).max(axis=0)
+    amax = m if amax is None else jnp.maximum(amax, m)
+  # amax in [2^(E - 127), 2^(E - 126)) for its biased exponent E: the power 2^(E - 141),
+  # kept a normal float32 (the same as frexp's exponent - 15, clipped to [-126, 127]).
+  bits = lax.bitcast_convert_type(amax, jnp.int32)
+  e_bits = lax.shift_left(jnp.clip(lax.shift_right_logical(bits, 23) - 14, 1, 254), 23)
+  e = jnp.where(bits > 0, lax.bitcast_convert_type(e_bits, F32), 1.0)
+  inv = lax.broadcast_in_dim(1.0 / e, (64, N), [1])
+  for c in range(n):
+    x = plgpu.load(chunk(q_smem, c), layout=WGMMA).astype(F32) * inv
+    dst = qh_smem if 64 * c < R else q_smem
+    chunk(dst, c)[...] = x.astype(dst.dtype)
+  plgpu.commit_smem()
+  return e * score_scale
+
+
+def q_buffer(N: int, W: int, dtype, tile):
+  """Shared memory for q's rows: for bf16 q the same bytes seen as bf16 and as float16
+  (`scale_q_rows`); `q_views` gives the two refs in the kernel."""
+  if jnp.dtype(dtype) == jnp.dtype(KEY_DTYPE):
+    return plgpu.SMEM((N, W), dtype, transforms=tile)
+  return plgpu.RefUnion(plgpu.SMEM((N, W), dtype, transforms=tile),
+                        plgpu.SMEM((N, W), KEY_DTYPE, transforms=tile))
+
+
+def q_views(ref, dtype):
+  """(q's dtype, float16) views of a `q_buffer` of `dtype`."""
+  if jnp.dtype(dtype) == jnp.dtype(KEY_DTYPE):
+    return ref, ref
+  q, qh = ref
+  return q, qh
+
+
+def scale_q_kernel(N: int, W: int, R: int, dtype, *, interpret: bool = False):
+  """A one-warpgroup kernel around `scale_q_rows` (for the tests): q (N, W) `dtype` ->
+  (its bytes after the call seen as `dtype` (the rope columns) and as float16 (the nope
+  columns), both (N, W); the factors (N,) float32 for a score scale of 1)."""
+  pro = prologue(dtype, 64, 1.0)
+
+  def body(q_ref, rope_ref, nope_ref, f_ref, q_buf, f_smem, bar):
+    q_smem, qh_smem = q_views(q_buf, dtype)
+    plgpu.copy_gmem_to_smem(q_ref, q_smem, bar)
+    plgpu.barrier_wait(bar)
+    f_smem[...] = scale_q_rows(q_smem, qh_smem, R, 1.0, pro.col_vec)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, rope_ref)
+    plgpu.copy_smem_to_gmem(qh_smem, nope_ref)
+    plgpu.copy_smem_to_gmem(f_smem, f_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  return plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((N, W), dtype),
+                jax.ShapeDtypeStruct((N, W), KEY_DTYPE), jax.ShapeDtypeStruct((N,), F32)),
+      scratch_types=[q_buffer(N, W, dtype, pro.tile), plgpu.SMEM((N,), F32),
+                     plgpu.Barrier(num_arrivals=1)],
+      num_threads=1, thread_name="wg", kernel_name="scale_q_rows",
+      interpret=common.interpret_params() if interpret else None,
+  )
 
 
 def value_operands(pairs, dtype):
@@ -218,16 +310,18 @@ def _build(interpret, *, R, **static):
 def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_scale,
             stages):
   pro = prologue(dtype, page_size, sm_scale)
-  tile, fp8_tile, copies, score_scale, row_vec, col_vec = pro
+  tile, _, copies, score_scale, row_vec, col_vec = pro
   n_chunks = R // (2 * PAIRS)
 
   def body(nope_ref, scale_ref, rope_ref, q_ref, meta_ref, out_ref, lse_ref,
-           q_smem, fp8_union, rope_smem, scale_smem, p_smem, o_smem, alpha_smem, l_smem,
+           q_buf, fp8_union, rope_smem, scale_smem, p_smem, o_smem, alpha_smem, l_smem,
            *rest):
     if interpret:
-      tiles, *rest = rest
+      tiles, key_tiles, *rest = rest
     q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free = rest
     fp8_smem, u16_smem = fp8_union
+    q_smem, qh_smem = q_views(q_buf, dtype)   # (q's dtype; f16 nope: `scale_q_rows`)
+    qn_smem = qh_smem.at[:, pl.ds(0, R)]
     prog = program(meta_ref, P, splits)
     (_, ok_ref, _, masked_ref), b, sp, wg, length, first, n_steps = prog
     ring_io = ring_loader(wg == 1, (nope_ref, rope_ref, scale_ref),
@@ -235,23 +329,26 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
                           free_bar=free_bar, stages=stages, page_size=page_size, P=P)
 
     def scores(slot):
-      """S^T (BLOCK_KV, N) of the block in `slot` (unscaled)."""
-      q_rope = q_smem.at[:, pl.ds(R, Rr)].transpose((1, 0))
+      """S^T (BLOCK_KV, N) of the block in `slot`, over q divided by its rows' powers of
+      two and the keys not multiplied by their scales (`prepare_q`)."""
 
       def product(s_ref):
         if interpret:
           # Stand-in: the block converted into this stage's tile (read again for values).
-          convert_fp8(fp8_smem, tiles, (pl.ds(c, CONVERT_COLS) for c in range(0, R, CONVERT_COLS)),
-                      dtype, plgpu.Layout.WGMMA_UPCAST_2X, src_lead=(slot,), dst_lead=(slot,))
+          # The block converted into this stage's tiles: f16 for the scores, `dtype` for the
+          # values (which read it again).
+          for t, cd in ((key_tiles, KEY_DTYPE), (tiles, dtype)):
+            convert_fp8(fp8_smem, t, (pl.ds(c, CONVERT_COLS) for c in range(0, R, CONVERT_COLS)),
+                        cd, plgpu.Layout.WGMMA_UPCAST_2X, src_lead=(slot,), dst_lead=(slot,))
           plgpu.commit_smem()
-          plgpu.wgmma(s_ref, tiles.at[slot], q_smem.at[:, pl.ds(0, R)].transpose((1, 0)))
+          plgpu.wgmma(s_ref, key_tiles.at[slot], qn_smem.transpose((1, 0)))
         else:
           for c in range(n_chunks):
             quads = plgpu.load(u16_smem.at[slot, :, pl.ds(PAIRS * c, PAIRS)], layout=WGMMA)
-            for h, key in enumerate(key_operands(quads, dtype)):
+            for h, key in enumerate(key_operands(quads, KEY_DTYPE)):
               cols = pl.ds(2 * PAIRS * c + PAIRS * h, PAIRS)   # (q in `score_columns` order)
-              plgpu.wgmma(s_ref, key, q_smem.at[:, cols].transpose((1, 0)))
-        plgpu.wgmma(s_ref, rope_smem.at[slot], q_rope)
+              plgpu.wgmma(s_ref, key, qn_smem.at[:, cols].transpose((1, 0)))
+        plgpu.wgmma(s_ref, rope_smem.at[slot], q_smem.at[:, pl.ds(R, Rr)].transpose((1, 0)))
         return s_ref[...]
 
       return pl.run_scoped(product, plgpu.ACC((BLOCK_KV, N), F32))
@@ -278,6 +375,8 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
     def _softmax():
       plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
       plgpu.barrier_wait(q_bar)
+      q_factor = lax.broadcast_in_dim(scale_q_rows(q_smem, qh_smem, R, score_scale, col_vec),
+                                      (BLOCK_KV, N), [1])
       tok = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, N), 0, layout=WGMMA)
       qrow = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, N), 1, layout=WGMMA)
       # Query j (row r = j * H + h) sees positions <= length - s_q + j.
@@ -297,7 +396,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
         plgpu.barrier_arrive(free_bar.at[slot])   # (this warpgroup is done with the stage)
         with jax.named_scope("softmax"):
           pos = masked_positions(tok, first + i, bad, page_size=page_size)
-          s = jnp.where(pos <= limit, s * row_scale * score_scale, -jnp.inf)
+          s = jnp.where(pos <= limit, s * row_scale * q_factor, -jnp.inf)
           m_i, alpha, p, l_part = online_softmax(s, m_i, l_part, 0)
           # (a masked row's scale may be NaN or inf: its weight 0 must stay 0)
           p = jnp.where(pos <= limit, p * row_scale, 0.0)
@@ -350,8 +449,8 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       plgpu.wait_smem_to_gmem(0)
 
   smem = [
-      plgpu.SMEM((N, R + Rr), dtype, transforms=tile),                        # q
-      plgpu.RefUnion(plgpu.SMEM((stages, BLOCK_KV, R), FP8_E4M3, transforms=fp8_tile),
+      q_buffer(N, R + Rr, dtype, tile),                                       # q
+      plgpu.RefUnion(plgpu.SMEM((stages, BLOCK_KV, R), FP8_E4M3, transforms=FP8_TILE),
                      plgpu.SMEM((stages, BLOCK_KV, R // 2), jnp.uint16,
                             transforms=U16_TILE)),                            # fp8 nope ring
       plgpu.SMEM((stages, BLOCK_KV, Rr), dtype, transforms=tile),             # rope ring
@@ -362,7 +461,8 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       plgpu.SMEM((N,), F32),                                                  # the sums
   ]
   if interpret:
-    smem.append(plgpu.SMEM((stages, BLOCK_KV, R), dtype, transforms=tile))   # stand-in tiles
+    smem += [plgpu.SMEM((stages, BLOCK_KV, R), cd, transforms=tile)          # stand-in tiles
+             for cd in (dtype, KEY_DTYPE)]
   barriers = [
       plgpu.Barrier(num_arrivals=1),                                   # q
       plgpu.Barrier(num_arrivals=3 * copies, num_barriers=stages),     # block landed

@@ -460,6 +460,92 @@ def test_register_path_puts_q_in_its_score_order():
   np.testing.assert_array_equal(got[..., 512:], q[..., 512:])
 
 
+def _q_rows_reference(q, R):
+  """float64 model of `scale_q_rows`: each row divided by the power of two 2^(k - 15) with
+  its largest finite magnitude < 2^k (frexp), k - 15 clipped to [-126, 127]; 1 for rows
+  with nothing finite and nonzero."""
+  q64 = np.asarray(q, np.float64)
+  amax = np.where(np.isfinite(q64), np.abs(q64), 0).max(-1)
+  _, k = np.frexp(amax)
+  e = np.where(amax > 0, 2.0 ** np.clip(k - 15, -126, 127), 1.0)
+  return q64 / e[..., None], e
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_register_path_scales_q_rows_in_kernel(dtype):
+  """`scale_q_rows` (interpret mode; lowered for CUDA): bf16 rows divided by a power of two
+  that puts their largest finite magnitude in [2^14, 2^15), nope columns then in float16
+  -- exactly the bf16 values within 2^-28 of the row's largest --, rope columns divided by
+  the same power in bf16 (exact), the power in the row's factor; inf / NaN pass; float16 q
+  unchanged with factor 1."""
+  registers = kernel._path("registers")
+  rng = np.random.default_rng(3)
+  mags = [1e-30, 1e-3, 1.0, 3e4, 1e30, 0.0, 1.0, 1.0, 1e-40, 2.0 ** -126, 1e37, 5.0,
+          1e-2, 1e2, 1e-5, 7.0]
+  if dtype == "float16":
+    mags = [min(max(m, 1e-4), 1e4) if m else 0.0 for m in mags]
+  q = rng.standard_normal((16, 576)) * np.asarray(mags)[:, None]
+  q[6, 7] = np.inf
+  q[7, 600 - 64] = np.nan
+  q[2, 3] = 1e-12                       # below 2^-28 of its row's largest: rounded
+  q = jnp.asarray(q, dtype)
+  f = registers.scale_q_kernel(16, 576, 512, jnp.dtype(dtype), interpret=True)
+  rope, nope, factor = jax.jit(f)(q)
+  chex.assert_shape((rope, nope, factor), ((16, 576), (16, 576), (16,)))
+  rope, nope = rope[:, 512:], nope[:, :512]
+  assert nope.dtype == jnp.float16 and rope.dtype == jnp.dtype(dtype)
+  text = jax.jit(registers.scale_q_kernel(16, 576, 512, jnp.dtype(dtype))).trace(q).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "scale_q_rows" in text
+  q64 = np.asarray(q, np.float64)
+  if dtype == "float16":
+    np.testing.assert_array_equal(np.asarray(nope), np.asarray(q)[:, :512])
+    np.testing.assert_array_equal(np.asarray(rope), np.asarray(q)[:, 512:])
+    assert np.all(np.asarray(factor) == 1.0)
+    return
+  want, e = _q_rows_reference(q, 512)
+  got_e = np.asarray(factor, np.float64)
+  # A row of only subnormal values (row 8): XLA:CPU, like the GPU's flush-to-zero, may read
+  # them as zeros (factor 1, f16 zeros); its scores are ~0 either way.
+  finite = np.where(np.isfinite(q64), np.abs(q64), 0).max(-1)
+  normal = finite >= 2.0 ** -126
+  assert not normal[8] and normal.sum() == 14 and got_e[8] in (1.0, 2.0 ** -126)
+  np.testing.assert_array_equal(got_e[normal], e[normal])
+  assert np.all((finite / e < 2.0 ** 15)
+                & ((finite / e >= 2.0 ** 14) | ~normal | (e == 2.0 ** -126)))   # (clipped)
+  # (subnormal elements themselves may be read as zeros, as above)
+  exact = normal[:, None] & ~((np.abs(q64) < 2.0 ** -126) & (q64 != 0))
+  np.testing.assert_array_equal(
+      np.asarray(nope, np.float64)[exact[:, :512]],
+      np.asarray(jnp.asarray(want[:, :512], jnp.float16), np.float64)[exact[:, :512]])
+  np.testing.assert_array_equal(
+      np.asarray(rope, np.float64)[exact[:, 512:]],
+      np.asarray(jnp.asarray(want[:, 512:], jnp.bfloat16), np.float64)[exact[:, 512:]])
+  back = np.concatenate([np.asarray(nope, np.float64), np.asarray(rope, np.float64)], -1)
+  back = back * e[:, None]
+  near = (np.abs(q64) >= finite[:, None] * 2.0 ** -28) & exact
+  np.testing.assert_array_equal(back[near], q64[near])
+  assert np.isposinf(back[6, 7]) and np.isnan(back[7, 536])
+
+
+@pytest.mark.parametrize("model_dtype", ["bfloat16", "float16"])
+def test_register_path_wide_magnitudes_interpret(rng, model_dtype):
+  """Query rows of magnitudes 10^-3 .. 10^3 (f16 score products over bf16 q rescaled per
+  row in the kernel; f16 q as it is) and cache rows of 10^-4 .. 10^4 against the float64
+  model."""
+  cfg = CONFIGS["pth"].replace(page_size=64, size=1024, model_dtype=model_dtype)
+  cache = filled_cache(cfg, rng, spread=4.0)
+  q, table, lens = problem(cfg, rng, B=2, s_q=1, H=16, P=4, bad_pages=False)
+  q = (np.asarray(q, np.float32) / 0.05 * 10.0 ** np.linspace(-3, 3, 16)[None, None, :, None])
+  q = jnp.asarray(q, model_dtype)
+  lens = np.asarray([200, 256], np.int32)
+  args = dict(sm_scale=0.01, page_size=64, kv_lora_rank=512)
+  got = jax.jit(lambda *a: kernel.mla_decode(*a, num_splits=2, config=kernel.DecodeConfig(
+      path="registers"), **args))(cache.layer(0), q, jnp.asarray(table), jnp.asarray(lens))
+  want = decode64(cache.layer(0), q, table, lens, **args)
+  assert_close(got, want, lse_atol=1e-2 + 1e-6 * np.abs(want[1]).max())   # lse up to ~1e6
+
+
 E4M3_CODES = np.arange(64 * 512, dtype=np.int64) * 7 % 256  # every code, in a mixed order
 
 
