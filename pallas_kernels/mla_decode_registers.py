@@ -17,9 +17,18 @@ us, and no tile at all.
   become the A operands of two 64-column products (`key_operands`), whose K positions
   take each 128 columns' even column pairs, then the odd ones (`score_columns`): q's nope
   columns are put in that order before the kernel (one small XLA transpose), so S^T is
-  unchanged. (Loading 2 columns a 16-bit register keeps the columns in order but costs
-  more: H100, 73.5 vs 67.5 us at B = 64, context 4096; 504 vs 448 at B = 128, context
-  16384, `logs/2026-12-06c_diag_decode_registers_16bit_keys_not_kept_h100.log`.)
+  unchanged. The nope products run in float16 whatever q's dtype (one ``cvt`` a pair
+  instead of four for bf16): warpgroup 0 rescales q's rows in shared memory once a
+  program (`scale_q_rows`: a power of two a row, exact for the values that matter, folded
+  into the row's score factor). Measured on an H100 against the bf16 products
+  (`logs/2026-12-06e_registers_f16_inkernel_ab_h100.log`): call 75.3 vs 78.4 us at B = 64,
+  context 4096; 129.7 vs 134.2 at B = 128; 455.3 vs 460.3 at B = 128, context 16384. (The
+  same rescaling as three XLA fusions before the kernel cost ~5 us a call, more than the
+  kernel gained; f16 value products as well, with the weights divided by their running
+  maximum, made warpgroup 0's softmax the longer part: branch `registers-f16`.) (Loading
+  2 columns a 16-bit register keeps the columns in order but costs more: H100, 73.5 vs
+  67.5 us at B = 64, context 4096; 504 vs 448 at B = 128, context 16384,
+  `logs/2026-12-06c_diag_decode_registers_16bit_keys_not_kept_h100.log`.)
 * Values: Mosaic's 16-bit transposed shared-memory load (``ldmatrix.trans``) of the block
   seen as column pairs gives a thread columns (2j, 2j+1) of tokens (t, t+1) per 32-bit
   register; one ``prmt`` splits them into the two columns' token pairs: the A operands of
@@ -36,7 +45,10 @@ us, and no tile at all.
   1 and goes on to the next block while warpgroup 1 accumulates the values, zeroes the
   rows no query may see in the raw fp8 block first (0 x NaN), and refills the ring
   (`mla_decode_parts.ring_loader`). With no converted tile the ring is deeper
-  (`DecodeConfig.stages`; by default the deepest that fits, up to `MAX_STAGES`).
+  (`DecodeConfig.stages`; by default the deepest that fits, up to `MAX_STAGES`), in tiles
+  of 8 rows x 128 bytes (`SWIZZLE`): 4 sectors an L2 request instead of 2.2 with 64-byte
+  tiles (ncu). Two weight slots (warpgroup 0 publishing step i + 1 while warpgroup 1
+  multiplies step i's) were measured no faster, with bf16 and with f16 scores.
 
   A third warpgroup taking half the score product and half the values (384 threads, at
   most 168 registers a thread) was built and measured: no faster (H100, B = 64, 16 heads,
@@ -49,8 +61,9 @@ us, and no tile at all.
   its value warpgroup holds 128 accumulator registers a thread there.
 
 Interpret mode (CPU tests) has no ``inline_mgpu`` and no register A operands: there the
-blocks are converted into a shared tile per stage and the products read it (the "narrow"
-arithmetic; the values in this path's row order, so the staging is exercised) -- the
+blocks are converted into shared tiles per stage (f16 for the scores, q's dtype for the
+values) and the products read them (the values in this path's row order, so the staging
+is exercised; q's rows are rescaled by the same `scale_q_rows`) -- the
 pipeline, barriers and masking are the same; the register operands themselves are checked
 on the GPU (tests/test_mla_decode.py, `-m gpu`).
 """
