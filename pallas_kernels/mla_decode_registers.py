@@ -225,14 +225,14 @@ def scale_q_kernel(N: int, W: int, R: int, dtype, *, interpret: bool = False):
   columns), both (N, W); the factors (N,) float32 for a score scale of 1)."""
   pro = prologue(dtype, 64, 1.0)
 
-  def body(q_ref, rope_ref, nope_ref, f_ref, q_buf, f_smem, bar):
+  def body(q_ref, q_out, qh_out, f_ref, q_buf, f_smem, bar):
     q_smem, qh_smem = q_views(q_buf, dtype)
     plgpu.copy_gmem_to_smem(q_ref, q_smem, bar)
     plgpu.barrier_wait(bar)
     f_smem[...] = scale_q_rows(q_smem, qh_smem, R, 1.0, pro.col_vec)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, rope_ref)
-    plgpu.copy_smem_to_gmem(qh_smem, nope_ref)
+    plgpu.copy_smem_to_gmem(q_smem, q_out)
+    plgpu.copy_smem_to_gmem(qh_smem, qh_out)
     plgpu.copy_smem_to_gmem(f_smem, f_ref)
     plgpu.wait_smem_to_gmem(0)
 
@@ -343,16 +343,16 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
 
     def scores(slot):
       """S^T (BLOCK_KV, N) of the block in `slot`, over q divided by its rows' powers of
-      two and the keys not multiplied by their scales (`prepare_q`)."""
+      two and the keys not multiplied by their scales (`scale_q_rows`)."""
 
       def product(s_ref):
         if interpret:
-          # Stand-in: the block converted into this stage's tile (read again for values).
-          # The block converted into this stage's tiles: f16 for the scores, `dtype` for the
-          # values (which read it again).
+          # Stand-in: the block converted into this stage's tiles, f16 for the scores and
+          # `dtype` for the values (which read theirs again).
+          chunks = [pl.ds(c, CONVERT_COLS) for c in range(0, R, CONVERT_COLS)]
           for t, cd in ((key_tiles, KEY_DTYPE), (tiles, dtype)):
-            convert_fp8(fp8_smem, t, (pl.ds(c, CONVERT_COLS) for c in range(0, R, CONVERT_COLS)),
-                        cd, plgpu.Layout.WGMMA_UPCAST_2X, src_lead=(slot,), dst_lead=(slot,))
+            convert_fp8(fp8_smem, t, chunks, cd, plgpu.Layout.WGMMA_UPCAST_2X,
+                        src_lead=(slot,), dst_lead=(slot,))
           plgpu.commit_smem()
           plgpu.wgmma(s_ref, key_tiles.at[slot], qn_smem.transpose((1, 0)))
         else:
