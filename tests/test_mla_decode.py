@@ -460,15 +460,16 @@ def test_register_path_puts_q_in_its_score_order():
   np.testing.assert_array_equal(got[..., 512:], q[..., 512:])
 
 
-def _q_rows_reference(q, R):
+def _q_rows_reference(q):
   """float64 model of `scale_q_rows`: each row divided by the power of two 2^(k - 15) with
   its largest finite magnitude < 2^k (frexp), k - 15 clipped to [-126, 127]; 1 for rows
-  with nothing finite and nonzero."""
+  with nothing finite and nonzero. Returns (the rows divided, the powers, the rows'
+  largest finite magnitudes)."""
   q64 = np.asarray(q, np.float64)
   amax = np.where(np.isfinite(q64), np.abs(q64), 0).max(-1)
   _, k = np.frexp(amax)
   e = np.where(amax > 0, 2.0 ** np.clip(k - 15, -126, 127), 1.0)
-  return q64 / e[..., None], e
+  return q64 / e[..., None], e, amax
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -503,11 +504,10 @@ def test_register_path_scales_q_rows_in_kernel(dtype):
     np.testing.assert_array_equal(np.asarray(rope), np.asarray(q)[:, 512:])
     assert np.all(np.asarray(factor) == 1.0)
     return
-  want, e = _q_rows_reference(q, 512)
+  want, e, finite = _q_rows_reference(q)
   got_e = np.asarray(factor, np.float64)
   # A row of only subnormal values (row 8): XLA:CPU, like the GPU's flush-to-zero, may read
   # them as zeros (factor 1, f16 zeros); its scores are ~0 either way.
-  finite = np.where(np.isfinite(q64), np.abs(q64), 0).max(-1)
   normal = finite >= 2.0 ** -126
   assert not normal[8] and normal.sum() == 14 and got_e[8] in (1.0, 2.0 ** -126)
   np.testing.assert_array_equal(got_e[normal], e[normal])
