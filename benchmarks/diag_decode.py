@@ -96,7 +96,11 @@ def main():
       first = firsts.setdefault(name.replace(f"-{lay}", "", 1), out)
       diff = f"  max |out - {layouts[0]}'s|: {np.nanmax(np.abs(out - first)):.3g}"
     else:
-      diff = ""
+      # Against the first variant of the same storage mode (different paths round
+      # differently: a check that a new path computes the same thing, not a test).
+      first_name, first = firsts.setdefault(quant, (name, out))
+      diff = (f"  max |out - {first_name}'s| {np.nanmax(np.abs(out - first)):.3g} "
+              f"(max |out| {np.nanmax(np.abs(first)):.3g})" if first_name != name else "")
     nbytes = B * ctx * cfg.row_bytes
     kern = {k: v for k, v in bd.items() if "mla_decode" in k}
     print(f"{name:20s} {us:9.2f} us  {nbytes / us / 1e3:7.1f} GB/s  kernels: "
