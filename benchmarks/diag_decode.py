@@ -61,7 +61,8 @@ def main():
   variants = [(name + (f"-{lay}" if lay else ""), quant, config, lay)
               for name, quant, config in variants for lay in layouts
               if lay is None or lay == layouts[0] or (quant and config.path != "wide")]
-  firsts = {}
+  firsts = {}          # (per conversion layout run: the first layout's output)
+  first_of_mode = {}    # storage mode -> (the first variant's name, its output)
   if args.ablate:
     variants += [(f"{name}-no-{args.ablate}", quant, config, lay)
                  for name, quant, config, lay in variants if config.path == "wide" and quant]
@@ -98,7 +99,7 @@ def main():
     else:
       # Against the first variant of the same storage mode (different paths round
       # differently: a check that a new path computes the same thing, not a test).
-      first_name, first = firsts.setdefault(quant, (name, out))
+      first_name, first = first_of_mode.setdefault(quant, (name, out))
       diff = (f"  max |out - {first_name}'s| {np.nanmax(np.abs(out - first)):.3g} "
               f"(max |out| {np.nanmax(np.abs(first)):.3g})" if first_name != name else "")
     nbytes = B * ctx * cfg.row_bytes
