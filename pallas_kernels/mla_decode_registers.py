@@ -25,7 +25,7 @@ us, and no tile at all.
   context 4096; 129.7 vs 134.2 at B = 128; 455.3 vs 460.3 at B = 128, context 16384. (The
   same rescaling as three XLA fusions before the kernel cost ~5 us a call, more than the
   kernel gained; f16 value products as well, with the weights divided by their running
-  maximum, made warpgroup 0's softmax the longer part: branch `registers-f16`.) (Loading
+  maximum, made warpgroup 0's softmax the longer part: tag `attic/registers-f16`.) (Loading
   2 columns a 16-bit register keeps the columns in order but costs more: H100, 73.5 vs
   67.5 us at B = 64, context 4096; 504 vs 448 at B = 128, context 16384,
   `logs/2026-12-06c_diag_decode_registers_16bit_keys_not_kept_h100.log`.)
