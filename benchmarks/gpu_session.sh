@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, memcheck with hostile slots, diagnostics, benchmark.
 # Usage (device tool): bash benchmarks/gpu_session.sh
-#   [tests|decode|decode_bench|diag_decode|stacked|trace|ncu|regs|demo|step_profile|compile|eager|deepseek|moves|rope|
+#   [tests|decode|ab|ncu_ab|decode_bench|diag_decode|stacked|trace|ncu|regs|demo|step_profile|compile|eager|deepseek|moves|rope|
 #    rope_bench|sanitize|diag|diag_rows|diag_pth|diag_moves|ptx|bench|sweep_pth|sweep]...  (DIAG_ARGS: diag_moves flags; BENCH_ARGS: extra bench flags)
 #
 # Budget notes (H200, jax 0.11.2; 30 min of device time a session, a cold start ~1-1.5 min):
@@ -32,6 +32,21 @@ if want diag_decode; then  # per_token_head decode kernel variants + its SASS
   mkdir -p "$OUT/sass"   # (the dump goes only into an existing folder)
   MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO="$OUT/sass" timeout 60 python3 benchmarks/diag_decode.py \
     --only pth --iters 1 > /dev/null 2>&1; ls "$OUT/sass" | head
+fi
+if want ab; then  # A/B of diag_decode.py variants (AB_ONLY) at AB_SHAPES: the revision unpacked
+  # in alt/ before the call (`git archive REV | tar -x -C alt`) against the working tree, shape
+  # by shape in one machine; then the working tree's ptxas registers for AB_SASS
+  for shape in ${AB_SHAPES:-64,1,16,4096 128,1,16,4096 128,1,16,16384}; do
+    for tree in alt .; do
+      (cd $tree && PYTHONPATH=$PWD timeout 120 python3 benchmarks/diag_decode.py --shape $shape \
+        --only ${AB_ONLY:-pth-registers-s4} 2>&1 | grep -v Warning | sed "s|^|$tree $shape  |")
+    done
+  done | tee "$OUT/ab.log"
+  d=$(mktemp -d)
+  MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=$d timeout 60 python3 benchmarks/diag_decode.py \
+    --shape 2,1,16,256 --only ${AB_SASS:-pth-registers-s4} --iters 1 > /dev/null 2>&1
+  echo "ptxas: $(grep -h 'Used\|spill stores' $d/*.ptxas 2>/dev/null | tr -s ' \n' ' ')" \
+    | tee -a "$OUT/ab.log"
 fi
 if want stacked; then  # StackedMLAKVCache: the scanned decode step in place on the GPU, then
   # the demo's cold compile with its 61 layers unrolled and under lax.scan (empty caches)
@@ -66,6 +81,22 @@ if want ncu; then  # Nsight Compute on one decode launch (NCU_VARIANT: a diag_de
   else
     echo "ncu: not on this machine" | tee "$OUT/ncu.log"
   fi
+fi
+if want ncu_ab; then  # Nsight Compute's duration and cycles of one launch per (tree, variant,
+  # shape), the trees as in `ab`: under ncu the SM clock is locked to its base (~1.4 GHz on
+  # an H100) while memory keeps its clock, so an SM-bound difference shows more than at full
+  # clock -- a stand-in for an H200 (1.4x an H100's bandwidth, the same multiprocessors).
+  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for shape in ${AB_SHAPES:-64,1,16,4096 128,1,16,16384}; do
+    for run in ${NCU_RUNS:-alt:pth-registers-s4 .:pth-registers-s4 .:bf16-narrow-s2}; do
+      tree=${run%%:*}; variant=${run#*:}
+      (cd $tree && PYTHONPATH=$PWD timeout 120 "$NCU" -k regex:mla_decode --launch-count 1 \
+        --metrics gpu__time_duration.sum,sm__cycles_elapsed.max,smsp__inst_executed.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+        python3 benchmarks/diag_decode.py --shape $shape --only $variant --iters 1 2>&1 \
+        | grep -E "^ +(gpu__|sm__|smsp__|dram__)" | tr -s ' ' | tr '\n' ';' \
+        | sed "s|^|$tree $shape $variant:|"; echo)
+    done
+  done | tee "$OUT/ncu_ab.log"
 fi
 if want regs; then  # ptxas registers and spills of every decode kernel path (small shapes)
   # A launch of 3+ warpgroups caps ptxas at 65536 / threads registers (168 for 384), whatever

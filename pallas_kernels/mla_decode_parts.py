@@ -443,14 +443,15 @@ def softmax_start(N: int, col_vec) -> tuple:
           plgpu.layout_cast(jnp.full((BLOCK_KV, N), 0.0, F32), plgpu.Layout.WGMMA))
 
 
-def softmax_end(m_i, l_part, n_steps, *, l_smem, staging, p_free, dst) -> None:
+def softmax_end(m_i, l_part, n_steps, *, l_smem, staging, p_free, dst,
+                l_units=None) -> None:
   """Warpgroup 0 after its last block of S^T: the running sums reduced over the tokens into
-  `l_smem` (both warpgroups divide their outputs by them), the other warpgroup's last
-  release of P observed (`p_free`), then lse = ln(sum) + max (natural log; -inf where
-  nothing was visible) through the shared-memory ref `staging` to the global-memory ref
-  `dst`."""
+  `l_smem` (times `l_units` (N,) where given: the other warpgroups divide their outputs by
+  them), the other warpgroup's last release of P observed (`p_free`), then lse = ln(sum) +
+  max (natural log; -inf where nothing was visible) through the shared-memory ref
+  `staging` to the global-memory ref `dst`."""
   l_i = l_part.sum(axis=0)
-  l_smem[...] = l_i
+  l_smem[...] = l_i if l_units is None else l_i * l_units
 
   @pl.when(n_steps > 0)
   def _():

@@ -32,8 +32,28 @@ us, and no tile at all.
 * Values: Mosaic's 16-bit transposed shared-memory load (``ldmatrix.trans``) of the block
   seen as column pairs gives a thread columns (2j, 2j+1) of tokens (t, t+1) per 32-bit
   register; one ``prmt`` splits them into the two columns' token pairs: the A operands of
-  two 64-row tiles of V^T, of the even and the odd columns of 128 (`value_operands`). The
-  kernel writes out^T tile by tile (tile 2c + s, row r is column 128 c + 2 r + s) and one
+  two 64-row tiles of V^T, of the even and the odd columns of 128 (`value_operands`), in
+  float16 as the keys (one ``cvt`` a pair; bf16 took four): the weights W = P x scale / S
+  go to the product divided by a power of two S of the block (`block_power`: the largest
+  scale a query may see, one integer max across warpgroup 0's warps while its score
+  products run), so they lie in [0, 1) and keep 11 significant bits down to 2^-14 of the
+  block's largest scale; the accumulators are kept in units of the current S (the unit
+  change is one more factor in alpha, exact from the exponents; S never falls below 2^-64
+  of the largest S before it, so float32 cannot overflow), and warpgroup 0 hands over the
+  sums divided by the last S. Measured on an H100 against bf16 value products (session
+  2026-12-06g): under Nsight Compute, whose locked ~1.4 GHz SM clock leaves the kernel
+  bound by its multiprocessors as an H200's bandwidth would, 68.1 vs 73.3 us at B = 64,
+  context 4096 and 455.5 vs 523.4 at B = 128, context 16384 (26% fewer instructions;
+  `logs/2026-12-06g_ncu_ab_f16_values_h100.log`); at full clock, where the H100's memory
+  bounds it, kernel 65.0 vs 65.3 / 122.0 vs 119.4 (B = 128, 4096) / 451.2 vs 445.0
+  (`logs/2026-12-06g_registers_f16_values_ab_h100.log`). What float16 weights cost: in one
+  block, a token whose scale is below 2^-14 of the block's largest gets a subnormal
+  weight (exact to 2^-24 of the largest only), so a block mixing rows of very different
+  magnitudes where the small rows carry the softmax loses precision -- one row in 8 at ~3e6
+  times the others' scale (weight ~e^-40): 8% error against 0.2% with bf16 weights; at
+  ~3e4: 0.2% (interpret mode; tests/test_mla_decode.py). Blocks of different magnitudes are
+  not affected (~2^40 between blocks: tested). A DeepSeek cache's nope rows follow an
+  RMSNorm: their scales differ little from token to token. The kernel writes out^T tile by tile (tile 2c + s, row r is column 128 c + 2 r + s) and one
   XLA transpose puts the columns in order (fused with the merge of the splits where there
   are several). Putting them in order inside the kernel saved ~6 us a call at B = 64 in
   one H100 run (a strided store into the staging, with 16-bit key loads:
@@ -41,7 +61,7 @@ us, and no tile at all.
   Mosaic GPU refuses that store as bank-conflicting, and TMA copies of each tile to every
   other output row need a 6-dimensional view (async copies take 5).
 * Two warpgroups (as "narrow", without conversions): warpgroup 0 computes S^T, the online
-  softmax (scale folded into the scores and the weights), hands P and alpha to warpgroup
+  softmax (scale folded into the scores and the weights), hands W and alpha to warpgroup
   1 and goes on to the next block while warpgroup 1 accumulates the values, zeroes the
   rows no query may see in the raw fp8 block first (0 x NaN), and refills the ring
   (`mla_decode_parts.ring_loader`). With no converted tile the ring is deeper
@@ -61,8 +81,8 @@ us, and no tile at all.
   its value warpgroup holds 128 accumulator registers a thread there.
 
 Interpret mode (CPU tests) has no ``inline_mgpu`` and no register A operands: there the
-blocks are converted into shared tiles per stage (f16 for the scores, q's dtype for the
-values) and the products read them (the values in this path's row order, so the staging
+blocks are converted into a float16 shared tile per stage and both products read it (the
+values in this path's row order, so the staging
 is exercised; q's rows are rescaled by the same `scale_q_rows`) -- the
 pipeline, barriers and masking are the same; the register operands themselves are checked
 on the GPU (tests/test_mla_decode.py, `-m gpu`).
@@ -154,7 +174,35 @@ def score_columns(R: int) -> np.ndarray:
   return pairs.swapaxes(1, 2).reshape(R)
 
 
-KEY_DTYPE = jnp.float16   # the score product's nope operands (`scale_q_rows`)
+KEY_DTYPE = jnp.float16   # both products' fp8 operands (`scale_q_rows`, `block_power`)
+FLOOR = 64                # S >= 2^-FLOOR x the largest S before it (`block_power`)
+# S's biased exponent e (S = 2^(e - 127)) is kept in [17, 245], S in [2^-110, 2^118]: 1 / S
+# stays a normal float32, and p x scale / S < 4 even for the largest bf16 row (scale
+# ~ 2^119.5).
+E_RANGE = (17, 245)
+
+
+def block_power(scales, pos, length):
+  """The value product's unit for a block: a power of two S = 2^(e - 127), as its biased
+  exponent e (int32 scalar). scales (64,) float32 and their positions pos (64,) int32 (the
+  row-vector layout of S^T) -> e with max(finite scales at positions < length) / S in
+  [0.5, 1), clipped to `E_RANGE`; 0 when no such scale is positive (the caller keeps its
+  previous S). One integer max across the warps (the largest bit pattern of non-negative
+  floats is the largest value's)."""
+  m = jnp.where(pos < length, scales, 0.0)
+  m = jnp.where(m < jnp.inf, m, 0.0)              # (NaN and inf scales left out)
+  bits = lax.bitcast_convert_type(m, jnp.int32).max()
+  # m in [2^(E - 127), 2^(E - 126)) for its biased exponent E: S = 2^(E - 126).
+  e = jnp.clip(lax.shift_right_logical(bits, 23) + 1, *E_RANGE)
+  return jnp.where(bits > 0, e, 0)
+
+
+def power(e, shape, layout):
+  """2^(e - 127) (float32, broadcast to `shape` in `layout`) of an int32 scalar biased
+  exponent e in [1, 254]; 0.0 for e = 0. (A vector: Mosaic GPU lowers no bitcast of a
+  scalar.)"""
+  e = plgpu.layout_cast(jnp.broadcast_to(e, shape), layout)
+  return lax.bitcast_convert_type(lax.shift_left(e, 23), F32)
 
 
 def _permute_q(q2, R: int):
@@ -274,7 +322,7 @@ def _smem_bytes(geo: Geometry, N: int, stages: int) -> int:
   kb = lambda n: -(-n // 1024) * 1024     # every allocation is aligned to 1 KB
   return (kb(N * (geo.R + geo.Rr) * size)                     # q
           + stages * (kb(BLOCK_KV * geo.R) + kb(BLOCK_KV * geo.Rr * size) + kb(4 * BLOCK_KV))
-          + kb(N * BLOCK_KV * size) + kb(geo.R * N * size)    # P, out^T staging
+          + kb(N * BLOCK_KV * 2) + kb(geo.R * N * size)       # W (float16), out^T staging
           + 2 * kb(4 * N) + 2048)                             # alpha / lse, sum, barriers
 
 
@@ -330,7 +378,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
            q_buf, fp8_union, rope_smem, scale_smem, p_smem, o_smem, alpha_smem, l_smem,
            *rest):
     if interpret:
-      tiles, key_tiles, *rest = rest
+      key_tiles, *rest = rest
     q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free = rest
     fp8_smem, u16_smem = fp8_union
     q_smem, qh_smem = q_views(q_buf, dtype)   # (q's dtype; f16 nope: `scale_q_rows`)
@@ -341,18 +389,19 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
                           (fp8_smem, rope_smem, scale_smem), prog, kv_bar=kv_bar,
                           free_bar=free_bar, stages=stages, page_size=page_size, P=P)
 
-    def scores(slot):
+    def scores(slot, meanwhile):
       """S^T (BLOCK_KV, N) of the block in `slot`, over q divided by its rows' powers of
-      two and the keys not multiplied by their scales (`scale_q_rows`)."""
+      two and the keys not multiplied by their scales (`scale_q_rows`), and what
+      `meanwhile()` returns (run while the products are in flight)."""
 
       def product(s_ref):
         if interpret:
-          # Stand-in: the block converted into this stage's tiles, f16 for the scores and
-          # `dtype` for the values (which read theirs again).
-          chunks = [pl.ds(c, CONVERT_COLS) for c in range(0, R, CONVERT_COLS)]
-          for t, cd in ((key_tiles, KEY_DTYPE), (tiles, dtype)):
-            convert_fp8(fp8_smem, t, chunks, cd, plgpu.Layout.WGMMA_UPCAST_2X,
-                        src_lead=(slot,), dst_lead=(slot,))
+          # Stand-in: the block converted into this stage's float16 tile, which the
+          # values read as well.
+          convert_fp8(fp8_smem, key_tiles, [pl.ds(c, CONVERT_COLS) for c in
+                                            range(0, R, CONVERT_COLS)],
+                      KEY_DTYPE, plgpu.Layout.WGMMA_UPCAST_2X, src_lead=(slot,),
+                      dst_lead=(slot,))
           plgpu.commit_smem()
           plgpu.wgmma(s_ref, key_tiles.at[slot], qn_smem.transpose((1, 0)))
         else:
@@ -362,24 +411,27 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
               cols = pl.ds(2 * PAIRS * c + PAIRS * h, PAIRS)   # (q in `score_columns` order)
               plgpu.wgmma(s_ref, key, qn_smem.at[:, cols].transpose((1, 0)))
         plgpu.wgmma(s_ref, rope_smem.at[slot], q_smem.at[:, pl.ds(R, Rr)].transpose((1, 0)))
-        return s_ref[...]
+        other = meanwhile()
+        return s_ref[...], other
 
       return pl.run_scoped(product, plgpu.ACC((BLOCK_KV, N), F32))
 
     def values(slot, accs):
-      """accs += V^T . P over the block in `slot`: tile 2c + s holds the columns
-      128 c + s + 2 r (r < 64), as `value_operands` makes them."""
+      """accs += V^T . W over the block in `slot` (float16 operands; W = P x scale / S):
+      tile 2c + s holds the columns 128 c + s + 2 r (r < 64), as `value_operands` makes
+      them."""
       p_t = p_smem.transpose((1, 0))
       if interpret:
         return tuple(accumulate(
-            acc, tiles.at[slot, :, pl.ds(2 * PAIRS * (m // 2) + m % 2, 64, stride=2)].transpose(
-                (1, 0)), p_t, interpret) for m, acc in enumerate(accs))
+            acc, key_tiles.at[slot, :, pl.ds(2 * PAIRS * (m // 2) + m % 2, 64,
+                                             stride=2)].transpose((1, 0)), p_t, interpret)
+            for m, acc in enumerate(accs))
 
       def products(refs):
         for c in range(n_chunks):
           pairs = plgpu.load(u16_smem.at[slot, :, pl.ds(PAIRS * c, PAIRS)].transpose((1, 0)),
                              layout=WGMMA)
-          for s, a in enumerate(value_operands(pairs, dtype)):
+          for s, a in enumerate(value_operands(pairs, KEY_DTYPE)):
             plgpu.wgmma(refs[2 * c + s], a, p_t)
 
       return pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in accs))
@@ -392,35 +444,56 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
                                       (BLOCK_KV, N), [1])
       tok = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, N), 0, layout=WGMMA)
       qrow = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, N), 1, layout=WGMMA)
+      tok_row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0, layout=row_vec)
       # Query j (row r = j * H + h) sees positions <= length - s_q + j.
       limit = length - s_q + lax.div(qrow, H)
 
-      @pl.loop(0, n_steps, init_carry=softmax_start(N, col_vec))
+      @pl.loop(0, n_steps, init_carry=(softmax_start(N, col_vec),
+                                       (jnp.int32(127), jnp.int32(0))))
       def carry(i, carry):
-        m_i, l_part = carry
+        (m_i, l_part), (e_cur, e_max) = carry
         slot = lax.rem(i, stages)
-        bad = page_flags(ok_ref, b, first + i, page_size=page_size, P=P)   # (loaded early)
+        block = first + i
+        bad = page_flags(ok_ref, b, block, page_size=page_size, P=P)   # (loaded early)
         with jax.named_scope("wait_kv"):      # (regions of common.PROFILE's trace)
           plgpu.barrier_wait(kv_bar.at[slot])
+
+        def unit():
+          # The block's power of two (from the scales at positions some query row may
+          # see), while the score products run.
+          scales = plgpu.load(scale_smem.at[slot], layout=row_vec)
+          e_blk = block_power(scales, masked_positions(tok_row, block, bad,
+                                                       page_size=page_size), length)
+          return scales, e_blk
+
         with jax.named_scope("scores"):
-          s = scores(slot)
-        row_scale = lax.broadcast_in_dim(
-            plgpu.load(scale_smem.at[slot], layout=row_vec), (BLOCK_KV, N), [0])
+          s, (scales, e_blk) = scores(slot, unit)
         plgpu.barrier_arrive(free_bar.at[slot])   # (this warpgroup is done with the stage)
         with jax.named_scope("softmax"):
-          pos = masked_positions(tok, first + i, bad, page_size=page_size)
+          row_scale = lax.broadcast_in_dim(scales, (BLOCK_KV, N), [0])
+          pos = masked_positions(tok, block, bad, page_size=page_size)
           s = jnp.where(pos <= limit, s * row_scale * q_factor, -jnp.inf)
           m_i, alpha, p, l_part = online_softmax(s, m_i, l_part, 0)
+          # The accumulators' units move from S_cur to S_new (exact powers of two from
+          # the exponents; a ratio below 2^-126 is 0).
+          e_blk = jnp.where(e_blk > 0, e_blk, e_cur)
+          e_max = jnp.maximum(e_max, e_blk)
+          e_new = jnp.maximum(e_blk, e_max - FLOOR)
+          d = e_cur - e_new
+          alpha = alpha * power(jnp.where(d >= -126, d + 127, 0), (N,), col_vec)   # (e = 0: 0)
+          inv = power(254 - e_new, (BLOCK_KV,), row_vec)            # 1 / S_new
           # (a masked row's scale may be NaN or inf: its weight 0 must stay 0)
-          p = jnp.where(pos <= limit, p * row_scale, 0.0)
+          p = jnp.where(pos <= limit,
+                        p * lax.broadcast_in_dim(scales * inv, (BLOCK_KV, N), [0]), 0.0)
         with jax.named_scope("publish"):
           publish_weights(i, p, alpha, p_smem=p_smem, alpha_smem=alpha_smem, p_free=p_free,
                           p_ready=p_ready)
-        return m_i, l_part
+        return (m_i, l_part), (e_new, e_max)
 
-      m_i, l_part = carry
+      (m_i, l_part), (e_cur, _) = carry
+      # (the value warpgroup divides its accumulators, in units of S, by sum / S)
       softmax_end(m_i, l_part, n_steps, l_smem=l_smem, staging=alpha_smem, p_free=p_free,
-                  dst=lse_ref.at[b, sp])
+                  dst=lse_ref.at[b, sp], l_units=power(254 - e_cur, (N,), col_vec))
       warpgroup_sync(sync_bar)      # the sums are in l_smem
       plgpu.wait_smem_to_gmem(0)
 
@@ -439,7 +512,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
           plgpu.barrier_wait(p_ready)
         with jax.named_scope("values"):
           # The block's scores are done: this warpgroup alone reads the stage now.
-          zero_masked_rows(tiles.at[slot] if interpret else u16_smem.at[slot], first + i,
+          zero_masked_rows(key_tiles.at[slot] if interpret else u16_smem.at[slot], first + i,
                            length, lambda: page_flags(ok_ref, b, first + i,
                                                       page_size=page_size, P=P),
                            page_size=page_size, n_masked=n_masked)
@@ -468,14 +541,13 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
                             transforms=U16_TILE)),                            # fp8 nope ring
       plgpu.SMEM((stages, BLOCK_KV, Rr), dtype, transforms=tile),             # rope ring
       plgpu.SMEM((stages, BLOCK_KV), F32),                                    # scale ring
-      plgpu.SMEM((N, BLOCK_KV), dtype, transforms=tile),                      # P
+      plgpu.SMEM((N, BLOCK_KV), KEY_DTYPE, transforms=tile),                  # W
       plgpu.SMEM((R, N), dtype),                             # out^T staging, tile by tile
       plgpu.SMEM((N,), F32),                                                  # alpha, then lse
       plgpu.SMEM((N,), F32),                                                  # the sums
   ]
   if interpret:
-    smem += [plgpu.SMEM((stages, BLOCK_KV, R), cd, transforms=tile)          # stand-in tiles
-             for cd in (dtype, KEY_DTYPE)]
+    smem += [plgpu.SMEM((stages, BLOCK_KV, R), KEY_DTYPE, transforms=tile)]  # stand-in
   barriers = [
       plgpu.Barrier(num_arrivals=1),                                   # q
       plgpu.Barrier(num_arrivals=3 * copies, num_barriers=stages),     # block landed

@@ -544,6 +544,72 @@ def test_register_path_wide_magnitudes_interpret(rng, model_dtype):
       path="registers"), **args))(cache.layer(0), q, jnp.asarray(table), jnp.asarray(lens))
   want = decode64(cache.layer(0), q, table, lens, **args)
   assert_close(got, want, lse_atol=1e-2 + 1e-6 * np.abs(want[1]).max())   # lse up to ~1e6
+  # (the float16 weights of the value product: every query row within 1%)
+  out = np.asarray(got[0], np.float64)
+  rel = np.sqrt(((out - want[0]) ** 2).sum(-1) / (want[0] ** 2).sum(-1))
+  assert rel.max() < 1e-2, rel.max()
+
+
+def scaled_rows_cache(cfg, x):
+  """A one-layer per_token_head cache holding rows x (rows, 576) (bf16, then quantized)."""
+  return mc.set_mla_kv_buffer(mc.init_cache(cfg.replace(layer_num=1)), 0,
+                              jnp.arange(x.shape[0]),
+                              jnp.asarray(x[:, None, :512], jnp.bfloat16),
+                              jnp.asarray(x[:, None, 512:], jnp.bfloat16), implementation="xla")
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_register_path_blocks_of_very_different_scales_interpret(rng, num_splits):
+  """The registers path's float16 weights are divided by a power of two per 64-token block
+  and its accumulators change units between blocks: blocks of rows of magnitude 1e6 (scored
+  far below the others: weight ~0) alternate with blocks of 1e-6 rows (which make the
+  output), a ratio of ~2^40 between consecutive blocks -- every query row within 1% of the
+  float64 model. (Fails if the unit change is left out of alpha.)"""
+  cfg = CONFIGS["pth"].replace(page_size=64, size=1024)
+  u = rng.standard_normal(576)
+  u /= np.linalg.norm(u)
+  big = (np.arange(cfg.rows) // 64) % 2 == 1
+  mag = np.where(big, 1e6, 1e-6)[:, None]
+  x = (np.where(big, -40.0, 0.5)[:, None] * u + rng.standard_normal((cfg.rows, 576)) * 0.3) * mag
+  cache = scaled_rows_cache(cfg, x)
+  q = jnp.asarray(u + rng.standard_normal((2, 1, 16, 576)) * 0.01, jnp.bfloat16)   # big: ~-40
+  table = np.asarray([[0, 1, 2, 3], [3, 2, 1, 0]], np.int32)
+  lens = np.asarray([256, 200], np.int32)
+  args = dict(sm_scale=1e-6, page_size=64, kv_lora_rank=512)
+  got = jax.jit(lambda *a: kernel.mla_decode(*a, num_splits=num_splits, config=kernel.DecodeConfig(
+      path="registers"), **args))(cache.layer(0), q, jnp.asarray(table), jnp.asarray(lens))
+  want = decode64(cache.layer(0), q, table, lens, **args)
+  out = np.asarray(got[0], np.float64)
+  assert np.abs(want[0]).max() < 1e-4          # (the 1e-6 rows make the output)
+  rel = np.sqrt(((out - want[0]) ** 2).sum(-1) / (want[0] ** 2).sum(-1))
+  assert rel.max() < 1e-2, rel.max()
+  np.testing.assert_allclose(np.asarray(got[1]), want[1], atol=1e-2, rtol=1e-5)
+
+
+def test_register_path_rows_of_different_scales_in_one_block_interpret(rng):
+  """One row in 8 of every block ~3e4 times the others' scale, scored far below them
+  (weight ~e^-40), the small rows making the output: their float16 weights are then just
+  above 2^-15 of the block's power of two -- every query row within 1% of the float64
+  model. (At ~3e6 they are subnormal: the registers module's stated limit.)"""
+  cfg = CONFIGS["pth"].replace(page_size=64, size=1024)
+  u = rng.standard_normal(576)
+  u /= np.linalg.norm(u)
+  big = np.arange(cfg.rows) % 8 == 0
+  noise = rng.standard_normal((cfg.rows, 576))
+  noise -= np.outer(noise @ u, u)               # orthogonal to u, the queries' direction
+  x = np.where(big[:, None], -40.0 * u + noise * 10.0, (0.5 * u + noise * 0.3) * 1e-3)
+  cache = scaled_rows_cache(cfg, x)
+  q = jnp.asarray(np.broadcast_to(u, (2, 1, 16, 576)), jnp.bfloat16)
+  table = np.asarray([[0, 1, 2, 3], [3, 2, 1, 0]], np.int32)
+  lens = np.asarray([256, 200], np.int32)
+  args = dict(sm_scale=1.0, page_size=64, kv_lora_rank=512)
+  got = jax.jit(lambda *a: kernel.mla_decode(*a, num_splits=1, config=kernel.DecodeConfig(
+      path="registers"), **args))(cache.layer(0), q, jnp.asarray(table), jnp.asarray(lens))
+  want = decode64(cache.layer(0), q, table, lens, **args)
+  assert np.abs(want[0]).max() < 1e-2          # (the small rows make the output)
+  out = np.asarray(got[0], np.float64)
+  rel = np.sqrt(((out - want[0]) ** 2).sum(-1) / (want[0] ** 2).sum(-1))
+  assert rel.max() < 1e-2, rel.max()
 
 
 E4M3_CODES = np.arange(64 * 512, dtype=np.int64) * 7 % 256  # every code, in a mixed order
