@@ -53,7 +53,9 @@ us, and no tile at all.
   times the others' scale (weight ~e^-40): 8% error against 0.2% with bf16 weights; at
   ~3e4: 0.2% (interpret mode; tests/test_mla_decode.py). Blocks of different magnitudes are
   not affected (~2^40 between blocks: tested). A DeepSeek cache's nope rows follow an
-  RMSNorm: their scales differ little from token to token. The kernel writes out^T tile by tile (tile 2c + s, row r is column 128 c + 2 r + s) and one
+  RMSNorm: their scales differ little from token to token.
+
+  The kernel writes out^T tile by tile (tile 2c + s, row r is column 128 c + 2 r + s) and one
   XLA transpose puts the columns in order (fused with the merge of the splits where there
   are several). Putting them in order inside the kernel saved ~6 us a call at B = 64 in
   one H100 run (a strided store into the staging, with 16-bit key loads:
