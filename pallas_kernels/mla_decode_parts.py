@@ -446,8 +446,9 @@ def softmax_start(N: int, col_vec) -> tuple:
 def softmax_end(m_i, l_part, n_steps, *, l_smem, staging, p_free, dst,
                 l_units=None) -> None:
   """Warpgroup 0 after its last block of S^T: the running sums reduced over the tokens into
-  `l_smem` (times `l_units` (N,) where given: the other warpgroups divide their outputs by
-  them), the other warpgroup's last release of P observed (`p_free`), then lse = ln(sum) +
+  `l_smem` (the warpgroups that accumulate values divide their outputs by them; times
+  `l_units` (N,) where given), the other warpgroup's last release of P observed
+  (`p_free`), then lse = ln(sum) +
   max (natural log; -inf where nothing was visible) through the shared-memory ref
   `staging` to the global-memory ref `dst`."""
   l_i = l_part.sum(axis=0)
