@@ -448,9 +448,8 @@ def softmax_end(m_i, l_part, n_steps, *, l_smem, staging, p_free, dst,
   """Warpgroup 0 after its last block of S^T: the running sums reduced over the tokens into
   `l_smem` (the warpgroups that accumulate values divide their outputs by them; times
   `l_units` (N,) where given), the other warpgroup's last release of P observed
-  (`p_free`), then lse = ln(sum) +
-  max (natural log; -inf where nothing was visible) through the shared-memory ref
-  `staging` to the global-memory ref `dst`."""
+  (`p_free`), then lse = ln(sum) + max (natural log; -inf where nothing was visible)
+  through the shared-memory ref `staging` to the global-memory ref `dst`."""
   l_i = l_part.sum(axis=0)
   l_smem[...] = l_i if l_units is None else l_i * l_units
 
