@@ -89,6 +89,13 @@ def assert_close(got, want, *, rtol=1e-2, lse_atol=1e-2):
   assert np.all(out[~finite] == 0)
 
 
+def assert_rows_close(out, want_out, *, rtol=1e-2):
+  """Every query row's relative RMS error (over its R values) within rtol."""
+  out = np.asarray(out, np.float64)
+  rel = np.sqrt(((out - want_out) ** 2).sum(-1) / (want_out ** 2).sum(-1))
+  assert rel.max() < rtol, rel.max()
+
+
 CONFIGS = {
     "bf16": mc.SMALL.replace(size=1024, page_size=16),
     "pth": mc.SMALL.replace(size=1024, page_size=16, dtype=jnp.float8_e4m3fn,
@@ -544,18 +551,29 @@ def test_register_path_wide_magnitudes_interpret(rng, model_dtype):
       path="registers"), **args))(cache.layer(0), q, jnp.asarray(table), jnp.asarray(lens))
   want = decode64(cache.layer(0), q, table, lens, **args)
   assert_close(got, want, lse_atol=1e-2 + 1e-6 * np.abs(want[1]).max())   # lse up to ~1e6
-  # (the float16 weights of the value product: every query row within 1%)
-  out = np.asarray(got[0], np.float64)
-  rel = np.sqrt(((out - want[0]) ** 2).sum(-1) / (want[0] ** 2).sum(-1))
-  assert rel.max() < 1e-2, rel.max()
+  assert_rows_close(got[0], want[0])   # (the value product's float16 weights)
 
 
-def scaled_rows_cache(cfg, x):
-  """A one-layer per_token_head cache holding rows x (rows, 576) (bf16, then quantized)."""
-  return mc.set_mla_kv_buffer(mc.init_cache(cfg.replace(layer_num=1)), 0,
-                              jnp.arange(x.shape[0]),
-                              jnp.asarray(x[:, None, :512], jnp.bfloat16),
-                              jnp.asarray(x[:, None, 512:], jnp.bfloat16), implementation="xla")
+def _registers_on_scaled_rows(x, q, *, sm_scale, num_splits):
+  """The registers path and the float64 model over a one-layer per_token_head cache holding
+  rows x (1024, 576) (bf16, then quantized), two sequences of 256 and 200 tokens over its
+  four 64-token pages (the second in reverse order)."""
+  cfg = CONFIGS["pth"].replace(page_size=64, size=1024)
+  cache = mc.set_mla_kv_buffer(mc.init_cache(cfg.replace(layer_num=1)), 0,
+                               jnp.arange(x.shape[0]),
+                               jnp.asarray(x[:, None, :512], jnp.bfloat16),
+                               jnp.asarray(x[:, None, 512:], jnp.bfloat16), implementation="xla")
+  table = np.asarray([[0, 1, 2, 3], [3, 2, 1, 0]], np.int32)
+  lens = np.asarray([256, 200], np.int32)
+  args = dict(sm_scale=sm_scale, page_size=64, kv_lora_rank=512)
+  got = jax.jit(lambda *a: kernel.mla_decode(*a, num_splits=num_splits, config=kernel.DecodeConfig(
+      path="registers"), **args))(cache.layer(0), q, jnp.asarray(table), jnp.asarray(lens))
+  return got, decode64(cache.layer(0), q, table, lens, **args)
+
+
+def _unit_vector(rng):
+  u = rng.standard_normal(576)
+  return u / np.linalg.norm(u)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
@@ -565,24 +583,14 @@ def test_register_path_blocks_of_very_different_scales_interpret(rng, num_splits
   far below the others: weight ~0) alternate with blocks of 1e-6 rows (which make the
   output), a ratio of ~2^40 between consecutive blocks -- every query row within 1% of the
   float64 model. (Fails if the unit change is left out of alpha.)"""
-  cfg = CONFIGS["pth"].replace(page_size=64, size=1024)
-  u = rng.standard_normal(576)
-  u /= np.linalg.norm(u)
-  big = (np.arange(cfg.rows) // 64) % 2 == 1
+  u = _unit_vector(rng)
+  big = (np.arange(1024) // 64) % 2 == 1
   mag = np.where(big, 1e6, 1e-6)[:, None]
-  x = (np.where(big, -40.0, 0.5)[:, None] * u + rng.standard_normal((cfg.rows, 576)) * 0.3) * mag
-  cache = scaled_rows_cache(cfg, x)
+  x = (np.where(big, -40.0, 0.5)[:, None] * u + rng.standard_normal((1024, 576)) * 0.3) * mag
   q = jnp.asarray(u + rng.standard_normal((2, 1, 16, 576)) * 0.01, jnp.bfloat16)   # big: ~-40
-  table = np.asarray([[0, 1, 2, 3], [3, 2, 1, 0]], np.int32)
-  lens = np.asarray([256, 200], np.int32)
-  args = dict(sm_scale=1e-6, page_size=64, kv_lora_rank=512)
-  got = jax.jit(lambda *a: kernel.mla_decode(*a, num_splits=num_splits, config=kernel.DecodeConfig(
-      path="registers"), **args))(cache.layer(0), q, jnp.asarray(table), jnp.asarray(lens))
-  want = decode64(cache.layer(0), q, table, lens, **args)
-  out = np.asarray(got[0], np.float64)
+  got, want = _registers_on_scaled_rows(x, q, sm_scale=1e-6, num_splits=num_splits)
   assert np.abs(want[0]).max() < 1e-4          # (the 1e-6 rows make the output)
-  rel = np.sqrt(((out - want[0]) ** 2).sum(-1) / (want[0] ** 2).sum(-1))
-  assert rel.max() < 1e-2, rel.max()
+  assert_rows_close(got[0], want[0])
   np.testing.assert_allclose(np.asarray(got[1]), want[1], atol=1e-2, rtol=1e-5)
 
 
@@ -591,25 +599,15 @@ def test_register_path_rows_of_different_scales_in_one_block_interpret(rng):
   (weight ~e^-40), the small rows making the output: their float16 weights are then just
   above 2^-15 of the block's power of two -- every query row within 1% of the float64
   model. (At ~3e6 they are subnormal: the registers module's stated limit.)"""
-  cfg = CONFIGS["pth"].replace(page_size=64, size=1024)
-  u = rng.standard_normal(576)
-  u /= np.linalg.norm(u)
-  big = np.arange(cfg.rows) % 8 == 0
-  noise = rng.standard_normal((cfg.rows, 576))
+  u = _unit_vector(rng)
+  big = np.arange(1024) % 8 == 0
+  noise = rng.standard_normal((1024, 576))
   noise -= np.outer(noise @ u, u)               # orthogonal to u, the queries' direction
   x = np.where(big[:, None], -40.0 * u + noise * 10.0, (0.5 * u + noise * 0.3) * 1e-3)
-  cache = scaled_rows_cache(cfg, x)
   q = jnp.asarray(np.broadcast_to(u, (2, 1, 16, 576)), jnp.bfloat16)
-  table = np.asarray([[0, 1, 2, 3], [3, 2, 1, 0]], np.int32)
-  lens = np.asarray([256, 200], np.int32)
-  args = dict(sm_scale=1.0, page_size=64, kv_lora_rank=512)
-  got = jax.jit(lambda *a: kernel.mla_decode(*a, num_splits=1, config=kernel.DecodeConfig(
-      path="registers"), **args))(cache.layer(0), q, jnp.asarray(table), jnp.asarray(lens))
-  want = decode64(cache.layer(0), q, table, lens, **args)
+  got, want = _registers_on_scaled_rows(x, q, sm_scale=1.0, num_splits=1)
   assert np.abs(want[0]).max() < 1e-2          # (the small rows make the output)
-  out = np.asarray(got[0], np.float64)
-  rel = np.sqrt(((out - want[0]) ** 2).sum(-1) / (want[0] ** 2).sum(-1))
-  assert rel.max() < 1e-2, rel.max()
+  assert_rows_close(got[0], want[0])
 
 
 E4M3_CODES = np.arange(64 * 512, dtype=np.int64) * 7 % 256  # every code, in a mixed order
