@@ -17,6 +17,15 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 parts=("${@:-tests}")
 want() { for p in "${parts[@]}"; do [ "$p" = all ] || [ "$p" = "$1" ] && return 0; done; return 1; }
 PYTEST=(python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short)
+# Nsight Compute's command line (empty where the machine has none).
+NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+ptxas_of() {  # SHAPE VARIANT: ptxas's registers and spills of that diag_decode.py variant
+  local d; d=$(mktemp -d)
+  MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=$d timeout 60 python3 benchmarks/diag_decode.py \
+    --shape "$1" --only "$2" --iters 1 > /dev/null 2>&1
+  grep -h 'Used\|spill stores' $d/*.ptxas 2>/dev/null | sed 's/ptxas info *: //' | tr -s ' \n' ' '
+  rm -rf "$d"
+}
 nvidia-smi -L; python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 if want tests; then   # everything but the 61-layer move kernels (~150 s warm, ~220 s cold)
   timeout -s INT -k 20 300 "${PYTEST[@]}" tests/test_gpu_host_tier.py tests/test_gpu_seed.py \
@@ -42,11 +51,7 @@ if want ab; then  # A/B of diag_decode.py variants (AB_ONLY) at AB_SHAPES: the r
         --only ${AB_ONLY:-pth-registers-s4} 2>&1 | grep -v Warning | sed "s|^|$tree $shape  |")
     done
   done | tee "$OUT/ab.log"
-  d=$(mktemp -d)
-  MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=$d timeout 60 python3 benchmarks/diag_decode.py \
-    --shape 2,1,16,256 --only ${AB_SASS:-pth-registers-s4} --iters 1 > /dev/null 2>&1
-  echo "ptxas: $(grep -h 'Used\|spill stores' $d/*.ptxas 2>/dev/null | tr -s ' \n' ' ')" \
-    | tee -a "$OUT/ab.log"
+  echo "ptxas: $(ptxas_of 2,1,16,256 ${AB_SASS:-pth-registers-s4})" | tee -a "$OUT/ab.log"
 fi
 if want stacked; then  # StackedMLAKVCache: the scanned decode step in place on the GPU, then
   # the demo's cold compile with its 61 layers unrolled and under lax.scan (empty caches)
@@ -66,7 +71,6 @@ fi
 if want ncu; then  # Nsight Compute on one decode launch (NCU_VARIANT: a diag_decode.py variant):
   # the full set into a report, then its details (stall reasons, pipes, shared memory) and
   # the SASS with per-instruction samples (CSV)
-  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   if [ -n "$NCU" ]; then
     "$NCU" --version | tail -1
     timeout ${NCU_TIMEOUT:-300} "$NCU" --set full -o "$OUT/ncu_report" -f \
@@ -86,7 +90,6 @@ if want ncu_ab; then  # Nsight Compute's duration and cycles of one launch per (
   # shape), the trees as in `ab`: under ncu the SM clock is locked to its base (~1.4 GHz on
   # an H100) while memory keeps its clock, so an SM-bound difference shows more than at full
   # clock -- a stand-in for an H200 (1.4x an H100's bandwidth, the same multiprocessors).
-  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   for shape in ${AB_SHAPES:-64,1,16,4096 128,1,16,16384}; do
     for run in ${NCU_RUNS:-alt:pth-registers-s4 .:pth-registers-s4 .:bf16-narrow-s2}; do
       tree=${run%%:*}; variant=${run#*:}
@@ -103,11 +106,8 @@ if want regs; then  # ptxas registers and spills of every decode kernel path (sm
   # setmaxnreg asks later: spills show up here (logs/2026-12-04d_ptxas_registers.log).
   for v in "2,1,16,256 pth-registers-s4" "2,2,16,256 pth-narrow-s2" "2,2,16,256 bf16-narrow-s2" \
            "2,2,64,256 pth-wide-s2" "2,2,64,256 bf16-wide-s2"; do
-    set -- $v; d=$(mktemp -d)
-    MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=$d timeout 60 python3 benchmarks/diag_decode.py \
-      --shape $1 --only $2 --iters 1 > /dev/null 2>&1
-    echo "$2 ($1): $(grep -h 'Used\|spill stores' $d/*.ptxas 2>/dev/null | sed 's/ptxas info *: //' | tr -s ' \n' ' ')"
-    rm -rf "$d"
+    set -- $v
+    echo "$2 ($1): $(ptxas_of $1 $2)"
   done | tee "$OUT/ptxas_registers.log"
 fi
 if want demo; then  # the 61-layer demo, cold (empty compilation cache) and again warm
