@@ -207,18 +207,53 @@ def power(e, shape, layout):
   return lax.bitcast_convert_type(lax.shift_left(e, 23), F32)
 
 
-def _permute_q(q2, R: int):
-  """q2 (B, N, R + Rr) with its nope columns in `score_columns` order (one XLA transpose)."""
-  B, N, _ = q2.shape
-  nope = q2[..., :R].reshape(B, N, R // 128, 32, 2, 2).swapaxes(3, 4)
-  return jnp.concatenate([nope.reshape(B, N, R), q2[..., R:]], axis=-1)
+def order_source(i, k, half: int, part: int):
+  """Whether K position ``i`` of half `half` of a 128-column chunk in `score_columns` order
+  takes column ``64 part + k`` of that chunk (numpy or jax integer arrays, elementwise): K
+  position 2j + t of half h holds column 4j + 2h + t."""
+  col = 64 * part + k
+  return (((col >> 1) & 1) == half) & (i == 2 * (col >> 2) + (col & 1))
 
 
-def scale_q_rows(q_smem, qh_smem, R: int, score_scale: float, col_vec):
+def _ordered_nope(q_smem, c: int, layout, perm_smem=None):
+  """The two 64-column halves (2 x (64, N) float32, `layout`) of q's 128 nope columns of
+  chunk `c` in `score_columns` order, exactly: each half is a product of two 0/1
+  permutation matrices (registers) with the chunk's two 64-column tiles in shared memory,
+  on the tensor cores (the order's 4-byte pieces are below what a TMA copy can move). The
+  products read one chunk only, so the caller may overwrite it afterwards. A row holding
+  inf or NaN in a chunk gets NaN in the chunk's other columns (0 x inf): its scores are
+  NaN either way. `perm_smem` (64, 64) of q's dtype: the matrices go through it (interpret mode,
+  which has no register A operands; tests)."""
+  N = q_smem.shape[0]
+  i = plgpu.broadcasted_iota(jnp.int32, (64, 64), 0, layout=layout)
+  k = plgpu.broadcasted_iota(jnp.int32, (64, 64), 1, layout=layout)
+  one, zero = jnp.asarray(1.0, q_smem.dtype), jnp.asarray(0.0, q_smem.dtype)
+
+  def half(h):
+    def product(acc):
+      for part in range(2):
+        perm = jnp.where(order_source(i, k, h, part), one, zero)
+        if perm_smem is not None:
+          perm_smem[...] = perm
+          plgpu.commit_smem()
+          perm = perm_smem
+        tile = q_smem.at[:, pl.ds(128 * c + 64 * part, 64)].transpose((1, 0))   # (64, N)
+        plgpu.wgmma(acc, perm, tile)
+        if perm_smem is not None:
+          plgpu.wgmma_wait(0)       # (before the next matrix overwrites it)
+      return acc[...]
+    return pl.run_scoped(product, plgpu.ACC((64, N), F32))
+
+  return half(0), half(1)
+
+
+def scale_q_rows(q_smem, qh_smem, R: int, score_scale: float, col_vec, *,
+                 order: bool = False, perm_smem=None):
   """Warpgroup 0, once a program: q's rows (N, R + Rr) in shared memory (`q_smem`, q's
   dtype) for the float16 score products (`KEY_DTYPE`), in place; returns the rows' factors
   (N,) float32 (`col_vec`) that turn a row's product with a dequantized-but-unscaled key
-  into its exp2-domain score.
+  into its exp2-domain score. With `order`, the nope columns are also put in
+  `score_columns` order (`_ordered_nope`, through `perm_smem` where given).
 
   fp8 -> f16 is one instruction a pair, fp8 -> bf16 three more. For bf16 q each row is
   divided by a power of two that puts its largest finite magnitude in [2^14, 2^15): every
@@ -226,28 +261,39 @@ def scale_q_rows(q_smem, qh_smem, R: int, score_scale: float, col_vec):
   significant bits, f16 11), and the power of two goes into the row's factor (exact). The
   nope columns go to the float16 view `qh_smem` of the same bytes; the rope columns,
   divided by the same power of two (exact in bf16), stay in q's dtype for their own
-  product. inf and NaN pass. (In XLA before the kernel this cost ~5 us a call on an H100,
-  three small fusions.) float16 q is left as it is."""
+  product. inf and NaN pass (but see `_ordered_nope`). (In XLA before the kernel this cost
+  ~5 us a call on an H100, three small fusions.) float16 q keeps its values (factor 1)."""
   N = q_smem.shape[0]
-  if q_smem.dtype == qh_smem.dtype:
-    return plgpu.layout_cast(jnp.full((N,), score_scale, F32), col_vec)
   chunk = lambda ref, c: ref.at[:, pl.ds(64 * c, 64)].transpose((1, 0))   # (64 columns, N)
   n = q_smem.shape[1] // 64
-  amax = None
-  for c in range(n):
-    a = jnp.abs(plgpu.load(chunk(q_smem, c), layout=WGMMA).astype(F32))
-    m = jnp.where(a < jnp.inf, a, 0.0).max(axis=0)
-    amax = m if amax is None else jnp.maximum(amax, m)
-  # amax in [2^(E - 127), 2^(E - 126)) for its biased exponent E: the power 2^(E - 141),
-  # kept a normal float32 (the same as frexp's exponent - 15, clipped to [-126, 127]).
-  bits = lax.bitcast_convert_type(amax, jnp.int32)
-  e_bits = lax.shift_left(jnp.clip(lax.shift_right_logical(bits, 23) - 14, 1, 254), 23)
-  e = jnp.where(bits > 0, lax.bitcast_convert_type(e_bits, F32), 1.0)
+  scaled = q_smem.dtype != qh_smem.dtype
+  if scaled:
+    amax = None
+    for c in range(n):
+      a = jnp.abs(plgpu.load(chunk(q_smem, c), layout=WGMMA).astype(F32))
+      m = jnp.where(a < jnp.inf, a, 0.0).max(axis=0)
+      amax = m if amax is None else jnp.maximum(amax, m)
+    # amax in [2^(E - 127), 2^(E - 126)) for its biased exponent E: the power 2^(E - 141),
+    # kept a normal float32 (the same as frexp's exponent - 15, clipped to [-126, 127]).
+    bits = lax.bitcast_convert_type(amax, jnp.int32)
+    e_bits = lax.shift_left(jnp.clip(lax.shift_right_logical(bits, 23) - 14, 1, 254), 23)
+    e = jnp.where(bits > 0, lax.bitcast_convert_type(e_bits, F32), 1.0)
+  else:
+    e = plgpu.layout_cast(jnp.full((N,), 1.0, F32), col_vec)
+    if not order:
+      return e * score_scale
   inv = lax.broadcast_in_dim(1.0 / e, (64, N), [1])
   for c in range(n):
-    x = plgpu.load(chunk(q_smem, c), layout=WGMMA).astype(F32) * inv
+    if 64 * c < R and order:
+      if c % 2 == 0:
+        pair = _ordered_nope(q_smem, c // 2, WGMMA, perm_smem)
+      x = pair[c % 2]
+    elif scaled:
+      x = plgpu.load(chunk(q_smem, c), layout=WGMMA).astype(F32)
+    else:
+      continue
     dst = qh_smem if 64 * c < R else q_smem
-    chunk(dst, c)[...] = x.astype(dst.dtype)
+    chunk(dst, c)[...] = (x * inv).astype(dst.dtype)
   plgpu.commit_smem()
   return e * score_scale
 
@@ -269,17 +315,21 @@ def q_views(ref, dtype):
   return q, qh
 
 
-def scale_q_kernel(N: int, W: int, R: int, dtype, *, interpret: bool = False):
+def scale_q_kernel(N: int, W: int, R: int, dtype, *, interpret: bool = False,
+                   order: bool | None = None):
   """A one-warpgroup kernel around `scale_q_rows` (for the tests): q (N, W) `dtype` ->
   (its bytes after the call seen as `dtype` (the rope columns) and as float16 (the nope
-  columns), both (N, W); the factors (N,) float32 for a score scale of 1)."""
+  columns), both (N, W); the factors (N,) float32 for a score scale of 1). `order`: as
+  the decode kernel (None: on the GPU only)."""
+  order = not interpret if order is None else order
   pro = prologue(dtype, 64, 1.0)
 
-  def body(q_ref, q_out, qh_out, f_ref, q_buf, f_smem, bar):
+  def body(q_ref, q_out, qh_out, f_ref, q_buf, f_smem, bar, *perm):
     q_smem, qh_smem = q_views(q_buf, dtype)
     plgpu.copy_gmem_to_smem(q_ref, q_smem, bar)
     plgpu.barrier_wait(bar)
-    f_smem[...] = scale_q_rows(q_smem, qh_smem, R, 1.0, pro.col_vec)
+    f_smem[...] = scale_q_rows(q_smem, qh_smem, R, 1.0, pro.col_vec, order=order,
+                               perm_smem=perm[0] if perm else None)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, q_out)
     plgpu.copy_smem_to_gmem(qh_smem, qh_out)
@@ -291,7 +341,8 @@ def scale_q_kernel(N: int, W: int, R: int, dtype, *, interpret: bool = False):
       out_type=(jax.ShapeDtypeStruct((N, W), dtype),
                 jax.ShapeDtypeStruct((N, W), KEY_DTYPE), jax.ShapeDtypeStruct((N,), F32)),
       scratch_types=[q_buffer(N, W, dtype, pro.tile), plgpu.SMEM((N,), F32),
-                     plgpu.Barrier(num_arrivals=1)],
+                     plgpu.Barrier(num_arrivals=1)]
+      + ([plgpu.SMEM((64, 64), dtype, transforms=pro.tile)] if order and interpret else []),
       num_threads=1, thread_name="wg", kernel_name="scale_q_rows",
       interpret=common.interpret_params() if interpret else None,
   )
@@ -357,17 +408,8 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
     out = lax.bitcast_convert_type(pairs.transpose(0, 3, 1, 2), geo.dtype)
     return out.reshape(B, N, geo.R), lse
 
-  return run_rows_as_n(geo, config, operands, q2, meta, _build, num_splits=num_splits,
+  return run_rows_as_n(geo, config, operands, q2, meta, _kernel, num_splits=num_splits,
                        finish=finish, sm_scale=sm_scale, stages=_stages(geo, config))
-
-
-def _build(interpret, *, R, **static):
-  """The kernel; on the GPU after q's nope columns are put in `score_columns` order (the
-  interpret-mode stand-in reads them in order)."""
-  kernel = _kernel(interpret, R=R, **static)
-  if interpret:
-    return kernel
-  return lambda nope, scale, rope, q2, meta: kernel(nope, scale, rope, _permute_q(q2, R), meta)
 
 
 def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_scale,
@@ -442,8 +484,8 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
     def _softmax():
       plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
       plgpu.barrier_wait(q_bar)
-      q_factor = lax.broadcast_in_dim(scale_q_rows(q_smem, qh_smem, R, score_scale, col_vec),
-                                      (BLOCK_KV, N), [1])
+      factor = scale_q_rows(q_smem, qh_smem, R, score_scale, col_vec, order=not interpret)
+      q_factor = lax.broadcast_in_dim(factor, (BLOCK_KV, N), [1])
       tok = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, N), 0, layout=WGMMA)
       qrow = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, N), 1, layout=WGMMA)
       tok_row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV,), 0, layout=row_vec)

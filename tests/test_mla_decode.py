@@ -452,7 +452,10 @@ def test_kernel_interpret_empty_and_one_token_sequences(path, rng):
 
 def test_register_path_puts_q_in_its_score_order():
   """The registers path's score product takes each 128 nope columns' even column pairs,
-  then the odd ones; q is put in that order by one XLA transpose before the kernel."""
+  then the odd ones; warpgroup 0 puts q's columns in that order in shared memory by
+  products with 0/1 matrices (`order_source`), exactly (here in interpret mode, whose
+  matrices go through shared memory; on the GPU from registers:
+  `test_gpu_register_path_orders_q_rows`)."""
   registers = kernel._path("registers")
   cols = registers.score_columns(512)
   assert sorted(cols) == list(range(512))
@@ -461,10 +464,52 @@ def test_register_path_puts_q_in_its_score_order():
   for j in (0, 5, 31):
     assert list(cols[[2 * j, 2 * j + 1, 64 + 2 * j, 65 + 2 * j]]) == list(range(4 * j, 4 * j + 4))
   assert cols[128] == 128
-  q = np.arange(2 * 16 * 576).reshape(2, 16, 576).astype(np.float32)
-  got = np.asarray(registers._permute_q(jnp.asarray(q), 512))
-  np.testing.assert_array_equal(got[..., :512], q[..., cols])
-  np.testing.assert_array_equal(got[..., 512:], q[..., 512:])
+  i, k = np.meshgrid(np.arange(64), np.arange(64), indexing="ij")
+  x = np.arange(16 * 128).reshape(16, 128)
+  for h in (0, 1):
+    got = sum(registers.order_source(i, k, h, part).astype(np.int64) @ x[:, 64 * part:][:, :64].T
+              for part in (0, 1))
+    np.testing.assert_array_equal(got.T, x[:, cols[64 * h:64 * (h + 1)]])
+  rng = np.random.default_rng(5)
+  for dtype in ("bfloat16", "float16"):
+    q = jnp.asarray(rng.standard_normal((16, 576)) * 3.0, dtype)
+    f = registers.scale_q_kernel(16, 576, 512, jnp.dtype(dtype), interpret=True, order=True)
+    rope, nope, factor = jax.jit(f)(q)
+    scaled = np.asarray(q, np.float64) / np.asarray(factor, np.float64)[:, None]
+    np.testing.assert_array_equal(np.asarray(nope[:, :512], np.float64), scaled[:, cols])
+    np.testing.assert_array_equal(np.asarray(rope[:, 512:], np.float64), scaled[:, 512:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_register_path_orders_q_rows(dtype):
+  """On the GPU (0/1 matrices from registers): `scale_q_rows` with the order leaves each
+  row's nope columns in `score_columns` order, scaled as the float64 model says, exactly; a
+  row holding inf gets NaN in the rest of that 128-column chunk (`_ordered_nope`) and
+  nowhere else."""
+  registers = kernel._path("registers")
+  cols = registers.score_columns(512)
+  rng = np.random.default_rng(6)
+  mags = np.asarray([1e-3, 1.0, 3e4 if dtype == "bfloat16" else 1e3, 1e-4, 7.0, 1.0, 0.5,
+                     2.0] * 2)
+  q = rng.standard_normal((16, 576)) * mags[:, None]
+  q[5, 130] = np.inf
+  q = jnp.asarray(q, dtype)
+  f = registers.scale_q_kernel(16, 576, 512, jnp.dtype(dtype), interpret=False, order=True)
+  rope, nope, factor = jax.jit(f)(q)
+  want, e, _ = _q_rows_reference(q)
+  if dtype == "float16":
+    want, e = np.asarray(q, np.float64), np.ones(16)
+  np.testing.assert_array_equal(np.asarray(factor, np.float64), e)
+  got = np.asarray(nope[:, :512], np.float64)
+  want_nope = want[:, :512].astype(np.float16).astype(np.float64)[:, cols]
+  rows = [r for r in range(16) if r != 5]
+  np.testing.assert_array_equal(got[rows], want_nope[rows])
+  assert not np.isfinite(got[5, 128:256]).any()
+  np.testing.assert_array_equal(np.delete(got[5], np.s_[128:256]),
+                                np.delete(want_nope[5], np.s_[128:256]))
+  np.testing.assert_array_equal(np.asarray(rope[:, 512:], np.float64),
+                                want[:, 512:].astype(jnp.dtype(dtype)).astype(np.float64))
 
 
 def _q_rows_reference(q):
