@@ -16,8 +16,10 @@ us, and no tile at all.
   gives a thread 4 consecutive columns of a token per 32-bit register; its two halves
   become the A operands of two 64-column products (`key_operands`), whose K positions
   take each 128 columns' even column pairs, then the odd ones (`score_columns`): q's nope
-  columns are put in that order before the kernel (one small XLA transpose), so S^T is
-  unchanged. The nope products run in float16 whatever q's dtype (one ``cvt`` a pair
+  columns are put in that order in shared memory by warpgroup 0 once a program, as
+  products with 0/1 matrices on the tensor cores (`_ordered_nope`: the order moves 4-byte
+  pieces, below what a TMA copy can; before, an XLA fusion did it, ~2.3 us a call on an
+  H100), so S^T is unchanged. The nope products run in float16 whatever q's dtype (one ``cvt`` a pair
   instead of four for bf16): warpgroup 0 rescales q's rows in shared memory once a
   program (`scale_q_rows`: a power of two a row, exact for the values that matter, folded
   into the row's score factor). Measured on an H100 against the bf16 products
@@ -85,9 +87,10 @@ us, and no tile at all.
 Interpret mode (CPU tests) has no ``inline_mgpu`` and no register A operands: there the
 blocks are converted into a float16 shared tile per stage and both products read it (the
 values in this path's row order, so the staging
-is exercised; q's rows are rescaled by the same `scale_q_rows`) -- the
-pipeline, barriers and masking are the same; the register operands themselves are checked
-on the GPU (tests/test_mla_decode.py, `-m gpu`).
+is exercised; q's rows are rescaled by the same `scale_q_rows`, and stay in their order)
+-- the pipeline, barriers and masking are the same; the register operands themselves are
+checked on the GPU (tests/test_mla_decode.py, `-m gpu`), the order's products in interpret
+mode through shared memory and on the GPU from registers.
 """
 
 from __future__ import annotations
