@@ -218,24 +218,31 @@ def order_source(i, k, half: int, part: int):
   return (((col >> 1) & 1) == half) & (i == 2 * (col >> 2) + (col & 1))
 
 
-def _ordered_nope(q_smem, c: int, layout, perm_smem=None):
-  """The two 64-column halves (2 x (64, N) float32, `layout`) of q's 128 nope columns of
-  chunk `c` in `score_columns` order, exactly: each half is a product of two 0/1
-  permutation matrices (registers) with the chunk's two 64-column tiles in shared memory,
-  on the tensor cores (the order's 4-byte pieces are below what a TMA copy can move). The
-  products read one chunk only, so the caller may overwrite it afterwards. A row holding
-  inf or NaN in a chunk gets NaN in the chunk's other columns (0 x inf): its scores are
-  NaN either way. `perm_smem` (64, 64) of q's dtype: the matrices go through it (interpret mode,
-  which has no register A operands; tests)."""
-  N = q_smem.shape[0]
+def order_matrices(dtype, layout) -> dict:
+  """The 0/1 matrices of `_ordered_nope`, {(half, part): (64, 64) `dtype` in `layout`}, built
+  once a program (4 x 32 registers a thread while q is put in order)."""
   i = plgpu.broadcasted_iota(jnp.int32, (64, 64), 0, layout=layout)
   k = plgpu.broadcasted_iota(jnp.int32, (64, 64), 1, layout=layout)
-  one, zero = jnp.asarray(1.0, q_smem.dtype), jnp.asarray(0.0, q_smem.dtype)
+  one, zero = jnp.asarray(1.0, dtype), jnp.asarray(0.0, dtype)
+  return {(h, part): jnp.where(order_source(i, k, h, part), one, zero)
+          for h in range(2) for part in range(2)}
+
+
+def _ordered_nope(q_smem, c: int, perms: dict, perm_smem=None):
+  """The two 64-column halves (2 x (64, N) float32, the WGMMA layout) of q's 128 nope
+  columns of chunk `c` in `score_columns` order, exactly: each half is the sum of two
+  products of 0/1 matrices (`order_matrices`, registers) with the chunk's two 64-column
+  tiles in shared memory, on the tensor cores (the order's 4-byte pieces are below what a
+  TMA copy can move). The products read one chunk only, so the caller may overwrite it
+  afterwards. A row holding inf or NaN in a chunk gets NaN in the chunk's other columns
+  (0 x inf): its scores are NaN either way. `perm_smem` (64, 64) of q's dtype: the
+  matrices go through it (interpret mode, which has no register A operands; tests)."""
+  N = q_smem.shape[0]
 
   def half(h):
     def product(acc):
       for part in range(2):
-        perm = jnp.where(order_source(i, k, h, part), one, zero)
+        perm = perms[h, part]
         if perm_smem is not None:
           perm_smem[...] = perm
           plgpu.commit_smem()
@@ -286,10 +293,11 @@ def scale_q_rows(q_smem, qh_smem, R: int, score_scale: float, col_vec, *,
     if not order:
       return e * score_scale
   inv = lax.broadcast_in_dim(1.0 / e, (64, N), [1])
+  perms = order_matrices(q_smem.dtype, WGMMA) if order else None
   for c in range(n):
     if 64 * c < R and order:
       if c % 2 == 0:
-        pair = _ordered_nope(q_smem, c // 2, WGMMA, perm_smem)
+        pair = _ordered_nope(q_smem, c // 2, perms, perm_smem)
       x = pair[c % 2]
     elif scaled:
       x = plgpu.load(chunk(q_smem, c), layout=WGMMA).astype(F32)
