@@ -95,6 +95,8 @@ mode through shared memory and on the GPU from registers.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -407,20 +409,24 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
         sm_scale: float, num_splits: int | None):
   """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 2) (`PageTable`); returns
   (out (B, QR, R), lse (B, QR))."""
-  def finish(out, lse):
-    # out^T in tiles (chunk c, parity s, row r) = columns 128 c + 2 r + s: the splits merged
-    # in that order, then each column pair packed into 32 bits (elementwise) so that one
-    # transpose of 4-byte elements puts the query rows first and the columns in order.
-    B, S, _, N = out.shape
-    merged, lse = combine(out, lse, geo.dtype, rows_last=True, transpose=False)
-    tiles = merged.reshape(B, geo.R // 128, 2, 64, N)
-    u32 = lambda x: lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
-    pairs = u32(tiles[:, :, 0]) | (u32(tiles[:, :, 1]) << 16)        # (B, R / 128, 64, N)
-    out = lax.bitcast_convert_type(pairs.transpose(0, 3, 1, 2), geo.dtype)
-    return out.reshape(B, N, geo.R), lse
-
   return run_rows_as_n(geo, config, operands, q2, meta, _kernel, num_splits=num_splits,
-                       finish=finish, sm_scale=sm_scale, stages=_stages(geo, config))
+                       finish=functools.partial(finish_rows, dtype=geo.dtype),
+                       sm_scale=sm_scale, stages=_stages(geo, config))
+
+
+def finish_rows(out, lse, dtype):
+  """The kernel's out^T (B, S, R, N) dtype and lse (B, S, N) -> (out (B, N, R) dtype,
+  lse (B, N)): out^T in tiles (chunk c, parity s, row r) = columns 128 c + 2 r + s; the
+  splits merged in that order, then each column pair packed into 32 bits (elementwise) so
+  that one transpose of 4-byte elements puts the query rows first and the columns in
+  order."""
+  B, S, R, N = out.shape
+  merged, lse = combine(out, lse, dtype, rows_last=True, transpose=False)
+  tiles = merged.reshape(B, R // 128, 2, 64, N)
+  u32 = lambda x: lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+  pairs = u32(tiles[:, :, 0]) | (u32(tiles[:, :, 1]) << 16)        # (B, R / 128, 64, N)
+  out = lax.bitcast_convert_type(pairs.transpose(0, 3, 1, 2), dtype)
+  return out.reshape(B, N, R), lse
 
 
 def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_scale,
