@@ -387,8 +387,9 @@ def _smem_bytes(geo: Geometry, N: int, stages: int) -> int:
   size = geo.dtype.itemsize
   kb = lambda n: -(-n // 1024) * 1024     # every allocation is aligned to 1 KB
   return (kb(N * (geo.R + geo.Rr) * size)                     # q
-          + stages * (kb(BLOCK_KV * geo.R) + kb(BLOCK_KV * geo.Rr * size) + kb(4 * BLOCK_KV))
-          + kb(N * BLOCK_KV * 2) + kb(geo.R * N * size)       # W (float16), out^T staging
+          + max(stages * kb(BLOCK_KV * geo.R), kb(192 * 128 * size))   # fp8 ring | out
+          + stages * (kb(BLOCK_KV * geo.Rr * size) + kb(4 * BLOCK_KV))
+          + kb(N * BLOCK_KV * 2) + kb(64 * 128 * size)        # W (float16), out's tiles
           + 2 * kb(4 * N) + 2048)                             # alpha / lse, sum, barriers
 
 
@@ -415,18 +416,58 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
 
 
 def finish_rows(out, lse, dtype):
-  """The kernel's out^T (B, S, R, N) dtype and lse (B, S, N) -> (out (B, N, R) dtype,
-  lse (B, N)): out^T in tiles (chunk c, parity s, row r) = columns 128 c + 2 r + s; the
-  splits merged in that order, then each column pair packed into 32 bits (elementwise) so
-  that one transpose of 4-byte elements puts the query rows first and the columns in
-  order."""
-  B, S, R, N = out.shape
-  merged, lse = combine(out, lse, dtype, rows_last=True, transpose=False)
-  tiles = merged.reshape(B, R // 128, 2, 64, N)
-  u32 = lambda x: lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
-  pairs = u32(tiles[:, :, 0]) | (u32(tiles[:, :, 1]) << 16)        # (B, R / 128, 64, N)
-  out = lax.bitcast_convert_type(pairs.transpose(0, 3, 1, 2), dtype)
-  return out.reshape(B, N, R), lse
+  """The kernel's out (B, S, N, R) dtype (rows first, columns in order: `store_out_rows`)
+  and lse (B, S, N) -> (out (B, N, R) dtype, lse (B, N)): the splits merged (none to
+  merge at S = 1)."""
+  return combine(out, lse, dtype)
+
+
+def out_order_halves(dtype, layout):
+  """The 0/1 matrix (128, 128) that puts a 128-column chunk's value tiles back in column
+  order, as its two (64, 128) row halves s: row 64 s + r holds its 1 at column 2 r + s
+  (tile s, row r of a chunk is its column 2 r + s: `value_operands`)."""
+  r = plgpu.broadcasted_iota(jnp.int32, (64, 128), 0, layout=layout)
+  j = plgpu.broadcasted_iota(jnp.int32, (64, 128), 1, layout=layout)
+  one, zero = jnp.asarray(1.0, dtype), jnp.asarray(0.0, dtype)
+  return [jnp.where(j == 2 * r + s, one, zero) for s in range(2)]
+
+
+def store_out_rows(accs, inv, x_smem, order_smem, rows_smem, dst, dtype) -> None:
+  """Warpgroup 1, once a program: the output rows (N, R), columns in order, to `dst` (a
+  (N, R) global ref) from the value accumulators `accs` (R / 64 tiles (64, N) float32;
+  tile 2 c + s, row r = column 128 c + 2 r + s) times `inv` (64, N).
+
+  A tile's transpose is a 16-bit transposed store into shared memory, but its rows are
+  every other column; one product with the 0/1 matrix of `out_order_halves` on the tensor
+  cores interleaves them, exactly: the chunks' transposed tiles side by side (N rows a
+  chunk, 64 // N chunks a product) times that matrix give the rows of those chunks in
+  order. `x_smem` (64, 128) and `order_smem` (128, 128) of `dtype` (tiled as wgmma
+  operands), `rows_smem` (64, 128) the staging of the TMA stores."""
+  N = accs[0].shape[1]
+  group = 64 // N
+  n_chunks = len(accs) // 2
+  for s, half in enumerate(out_order_halves(dtype, WGMMA)):
+    order_smem.at[pl.ds(64 * s, 64)][...] = half
+  for g0 in range(0, n_chunks, group):
+    chunks = list(range(g0, min(g0 + group, n_chunks)))
+    for j, c in enumerate(chunks):
+      for s in range(2):
+        tile = x_smem.at[pl.ds(N * j, N), pl.ds(64 * s, 64)].transpose((1, 0))   # (64, N)
+        tile[...] = (accs[2 * c + s] * inv).astype(dtype)
+    plgpu.commit_smem()
+
+    def product(acc):
+      plgpu.wgmma(acc, x_smem, order_smem)
+      return acc[...]
+
+    rows = pl.run_scoped(product, plgpu.ACC((64, 128), F32))   # row N j + n: chunk j's row n
+    if g0:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # the last group's stores read it
+    rows_smem[...] = rows.astype(dtype)
+    plgpu.commit_smem()
+    for j, c in enumerate(chunks):
+      plgpu.copy_smem_to_gmem(rows_smem.at[pl.ds(N * j, N)], dst.at[:, pl.ds(128 * c, 128)])
+  plgpu.wait_smem_to_gmem(0)
 
 
 def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_scale,
@@ -441,7 +482,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
     if interpret:
       key_tiles, *rest = rest
     q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free = rest
-    fp8_smem, u16_smem = fp8_union
+    fp8_smem, u16_smem, (order_smem, rows_smem) = fp8_union
     q_smem, qh_smem = q_views(q_buf, dtype)   # (q's dtype; f16 nope: `scale_q_rows`)
     qn_smem = qh_smem.at[:, pl.ds(0, R)]
     prog = program(meta_ref, P, splits)
@@ -589,21 +630,20 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       has = l_all > 0
       inv = lax.broadcast_in_dim(jnp.where(has, 1.0 / jnp.where(has, l_all, 1.0), 0.0),
                                  (64, N), [1])
-      for m, acc in enumerate(accs):
-        o_smem.at[pl.ds(64 * m, 64)][...] = (acc * inv).astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, sp])
-      plgpu.wait_smem_to_gmem(0)
+      # (Both warpgroups are past the ring: its bytes stage the output.)
+      store_out_rows(accs, inv, o_smem, order_smem, rows_smem, out_ref.at[b, sp], dtype)
 
   smem = [
       q_buffer(N, R + Rr, dtype, tile),                                       # q
       plgpu.RefUnion(plgpu.SMEM((stages, BLOCK_KV, R), FP8_E4M3, transforms=FP8_TILE),
                      plgpu.SMEM((stages, BLOCK_KV, R // 2), jnp.uint16,
-                            transforms=U16_TILE)),                            # fp8 nope ring
+                                transforms=U16_TILE),                         # fp8 nope ring
+                     (plgpu.SMEM((128, 128), dtype, transforms=tile),         # then: order,
+                      plgpu.SMEM((64, 128), dtype, transforms=tile))),        # out's rows
       plgpu.SMEM((stages, BLOCK_KV, Rr), dtype, transforms=tile),             # rope ring
       plgpu.SMEM((stages, BLOCK_KV), F32),                                    # scale ring
       plgpu.SMEM((N, BLOCK_KV), KEY_DTYPE, transforms=tile),                  # W
-      plgpu.SMEM((R, N), dtype),                             # out^T staging, tile by tile
+      plgpu.SMEM((64, 128), dtype, transforms=tile),         # out's tiles transposed
       plgpu.SMEM((N,), F32),                                                  # alpha, then lse
       plgpu.SMEM((N,), F32),                                                  # the sums
   ]
@@ -617,6 +657,6 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       plgpu.Barrier(num_arrivals=1),                                   # P ready (wg 0 -> 1)
       plgpu.Barrier(num_arrivals=1),                                   # P free (wg 1 -> 0)
   ]
-  return decode_kernel(body, out_shape=(R, N), rows=N, dtype=dtype, scratch=smem + barriers,
+  return decode_kernel(body, out_shape=(N, R), rows=N, dtype=dtype, scratch=smem + barriers,
                        splits=splits, B=B, num_threads=2, name="mla_decode_registers",
                        interpret=interpret)
