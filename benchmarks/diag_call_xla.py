@@ -164,7 +164,7 @@ def layers_step(n_layers: int, iters: int, B: int = 64, ctx: int = 4096, H: int 
 def whole_calls(shapes: str, iters: int, H: int = 16):
   cfg = mc.DEEPSEEK_V3.replace(layer_num=1, dtype=jnp.float8_e4m3fn,
                                quant_method="per_token_head")
-  for shape in shapes.split(";"):
+  for shape in filter(None, shapes.split(";")):
     B, ctx = map(int, shape.split(","))
     if jax.devices()[0].platform != "gpu":
       cfg, B, ctx = cfg.replace(size=1024, page_size=64), B, ctx
@@ -199,7 +199,7 @@ def main():
   if args.layers:
     layers_step(args.layers, args.iters)
   rng = np.random.default_rng(0)
-  for shape in args.shapes.split(";"):
+  for shape in filter(None, args.shapes.split(";")):
     B, S = map(int, shape.split(","))
     out = jnp.asarray(rng.standard_normal((B, S, R, N)), DTYPE)
     lse = rng.standard_normal((B, S, N)).astype(np.float32) * 3
