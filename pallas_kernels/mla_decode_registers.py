@@ -57,13 +57,17 @@ us, and no tile at all.
   not affected (~2^40 between blocks: tested). A DeepSeek cache's nope rows follow an
   RMSNorm: their scales differ little from token to token.
 
-  The kernel writes out^T tile by tile (tile 2c + s, row r is column 128 c + 2 r + s) and one
-  XLA transpose puts the columns in order (fused with the merge of the splits where there
-  are several). Putting them in order inside the kernel saved ~6 us a call at B = 64 in
-  one H100 run (a strided store into the staging, with 16-bit key loads:
-  `logs/2026-12-06c_diag_decode_registers_16bit_keys_not_kept_h100.log`), but jax 0.12's
-  Mosaic GPU refuses that store as bank-conflicting, and TMA copies of each tile to every
-  other output row need a 6-dimensional view (async copies take 5).
+  The value tiles' rows are every other column (tile 2c + s, row r is column 128 c + 2 r +
+  s). Warpgroup 1 puts the output rows in order itself (`store_out_rows`): each tile
+  transposed into shared memory (16-bit transposed stores lower; 32-bit ones do not, and
+  a strided store into the staging, faster in one H100 run, is refused by jax 0.12's
+  Mosaic GPU as bank-conflicting), then one product with a 0/1 matrix on the tensor cores
+  interleaves the even and odd columns, exactly, for four chunks at once (16 rows each),
+  staged in the fp8 ring's bytes (idle by then) and stored by TMA as (N, R) rows. The
+  call's XLA work is then the splits' merge alone (nothing at one split); before, an XLA
+  transpose of packed column pairs (~4 us a call on an H100). What it costs: an output
+  value that overflows q's dtype (inf) makes its row's other columns of that 128-column
+  chunk NaN (0 x inf in the product), as q's order does for an inf in q.
 * Two warpgroups (as "narrow", without conversions): warpgroup 0 computes S^T, the online
   softmax (scale folded into the scores and the weights), hands W and alpha to warpgroup
   1 and goes on to the next block while warpgroup 1 accumulates the values, zeroes the
@@ -86,8 +90,7 @@ us, and no tile at all.
 
 Interpret mode (CPU tests) has no ``inline_mgpu`` and no register A operands: there the
 blocks are converted into a float16 shared tile per stage and both products read it (the
-values in this path's row order, so the staging
-is exercised; q's rows are rescaled by the same `scale_q_rows`, and stay in their order)
+values in this path's row order, so `store_out_rows` is exercised; q's rows are rescaled by the same `scale_q_rows`, and stay in their order)
 -- the pipeline, barriers and masking are the same; the register operands themselves are
 checked on the GPU (tests/test_mla_decode.py, `-m gpu`), the order's products in interpret
 mode through shared memory and on the GPU from registers.
