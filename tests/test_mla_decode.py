@@ -450,6 +450,24 @@ def test_kernel_interpret_empty_and_one_token_sequences(path, rng):
   assert_close(got, want)
 
 
+@pytest.mark.parametrize("R", [256, 1024])
+def test_register_path_other_latent_widths_interpret_and_lowering(R, rng):
+  """The registers path at kv_lora_rank 256 (two 128-column chunks: half of the output
+  product's 64 rows are padding) and 1024 (eight chunks: two products, the second reusing
+  the staging after the first's stores read it), interpret mode against the float64 model,
+  and lowered for CUDA (`store_out_rows`)."""
+  cfg = CONFIGS["pth"].replace(page_size=64, size=1024, kv_lora_rank=R)
+  cache = filled_cache(cfg, rng)
+  q, table, lens = problem(cfg, rng, B=2, s_q=1, H=16, P=3)
+  args = dict(sm_scale=0.2, page_size=64, kv_lora_rank=R)
+  f = lambda *a: kernel.mla_decode(*a, num_splits=2, config=kernel.DecodeConfig(
+      path="registers"), **args)
+  operands = (cache.layer(0), q, jnp.asarray(table), jnp.asarray(lens))
+  assert_close(jax.jit(f)(*operands), decode64(*operands, **args))
+  text = jax.jit(f).trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text.lower()
+
+
 def test_register_path_puts_q_in_its_score_order():
   """The registers path's score product takes each 128 nope columns' even column pairs,
   then the odd ones; warpgroup 0 puts q's columns in that order in shared memory by
