@@ -90,10 +90,11 @@ us, and no tile at all.
 
 Interpret mode (CPU tests) has no ``inline_mgpu`` and no register A operands: there the
 blocks are converted into a float16 shared tile per stage and both products read it (the
-values in this path's row order, so `store_out_rows` is exercised; q's rows are rescaled by the same `scale_q_rows`, and stay in their order)
--- the pipeline, barriers and masking are the same; the register operands themselves are
-checked on the GPU (tests/test_mla_decode.py, `-m gpu`), the order's products in interpret
-mode through shared memory and on the GPU from registers.
+values in this path's row order, so `store_out_rows` is exercised; q's rows are rescaled
+by the same `scale_q_rows` and keep their column order) -- the pipeline, barriers and
+masking are the same; the register operands themselves are checked on the GPU
+(tests/test_mla_decode.py, `-m gpu`), q's order products in interpret mode through shared
+memory and on the GPU from registers.
 """
 
 from __future__ import annotations
