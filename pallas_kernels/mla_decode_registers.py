@@ -99,8 +99,6 @@ memory and on the GPU from registers.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -415,15 +413,9 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
   """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 2) (`PageTable`); returns
   (out (B, QR, R), lse (B, QR))."""
   return run_rows_as_n(geo, config, operands, q2, meta, _kernel, num_splits=num_splits,
-                       finish=functools.partial(finish_rows, dtype=geo.dtype),
+                       # (rows first, columns in order: `store_out_rows`)
+                       finish=lambda out, lse: combine(out, lse, geo.dtype),
                        sm_scale=sm_scale, stages=_stages(geo, config))
-
-
-def finish_rows(out, lse, dtype):
-  """The kernel's out (B, S, N, R) dtype (rows first, columns in order: `store_out_rows`)
-  and lse (B, S, N) -> (out (B, N, R) dtype, lse (B, N)): the splits merged (none to
-  merge at S = 1)."""
-  return combine(out, lse, dtype)
 
 
 def out_order_halves(dtype, layout):
