@@ -222,14 +222,21 @@ def order_source(i, k, half: int, part: int):
   return (((col >> 1) & 1) == half) & (i == 2 * (col >> 2) + (col & 1))
 
 
+def zero_one(shape, dtype, layout, preds) -> list:
+  """0/1 matrices of `shape` and `dtype` in `layout`, one a predicate of `preds`: 1 where
+  ``pred(row, col)`` (int32 index arrays, made once for all) holds."""
+  i = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+  k = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
+  one, zero = jnp.asarray(1.0, dtype), jnp.asarray(0.0, dtype)
+  return [jnp.where(pred(i, k), one, zero) for pred in preds]
+
+
 def order_matrices(dtype, layout) -> dict:
   """The 0/1 matrices of `_ordered_nope`, {(half, part): (64, 64) `dtype` in `layout`}, built
   once a program (4 x 32 registers a thread while q is put in order)."""
-  i = plgpu.broadcasted_iota(jnp.int32, (64, 64), 0, layout=layout)
-  k = plgpu.broadcasted_iota(jnp.int32, (64, 64), 1, layout=layout)
-  one, zero = jnp.asarray(1.0, dtype), jnp.asarray(0.0, dtype)
-  return {(h, part): jnp.where(order_source(i, k, h, part), one, zero)
-          for h in range(2) for part in range(2)}
+  keys = [(h, part) for h in range(2) for part in range(2)]
+  preds = [lambda i, k, h=h, part=part: order_source(i, k, h, part) for h, part in keys]
+  return dict(zip(keys, zero_one((64, 64), dtype, layout, preds)))
 
 
 def _ordered_nope(q_smem, c: int, perms: dict, perm_smem=None):
@@ -422,10 +429,7 @@ def out_order_halves(dtype, layout):
   """The 0/1 matrix (128, 128) that puts a 128-column chunk's value tiles back in column
   order, as its two (64, 128) row halves s: row 64 s + r holds its 1 at column 2 r + s
   (tile s, row r of a chunk is its column 2 r + s: `value_operands`)."""
-  r = plgpu.broadcasted_iota(jnp.int32, (64, 128), 0, layout=layout)
-  j = plgpu.broadcasted_iota(jnp.int32, (64, 128), 1, layout=layout)
-  one, zero = jnp.asarray(1.0, dtype), jnp.asarray(0.0, dtype)
-  return [jnp.where(j == 2 * r + s, one, zero) for s in range(2)]
+  return zero_one((64, 128), dtype, layout, [lambda r, j, s=s: j == 2 * r + s for s in range(2)])
 
 
 def store_out_rows(accs, inv, x_smem, order_smem, rows_smem, dst, dtype) -> None:
