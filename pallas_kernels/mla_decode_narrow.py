@@ -100,12 +100,12 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
 
 
 def run_rows_as_n(geo: Geometry, config: DecodeConfig, operands, q2, meta, kernel, *,
-                  num_splits: int | None, finish=None, **static):
+                  num_splits: int | None, rows_last: bool = True, **static):
   """`run` of a path whose query rows are the products' N dimension (this one and
   "registers"): ``kernel(interpret, B=..., N=..., splits=..., **static)`` on q2 padded to N
-  rows, its out^T (B, splits, R, N) merged over the splits and transposed (one XLA
-  fusion), or passed with its lse to ``finish`` where given (returning (B, N, R) and the
-  merged lse)."""
+  rows, its output merged over the splits by `combine` (one XLA fusion): out^T (B, splits,
+  R, N), transposed there, with `rows_last` (this path), else rows (B, splits, N, R) with
+  their columns in order (the registers path's `store_out_rows`)."""
   N = padded_rows(geo.QR)
   splits = num_splits or split_count(geo.B, 1, geo.max_blocks, num_sms(config))
   if N != geo.QR:
@@ -114,10 +114,7 @@ def run_rows_as_n(geo: Geometry, config: DecodeConfig, operands, q2, meta, kerne
       kernel, B=geo.B, s_q=geo.s_q, H=geo.H, R=geo.R, Rr=geo.Rr, P=geo.P, N=N,
       splits=splits, page_size=geo.page_size, dtype=geo.dtype, **static)
   out, lse = common.dispatch(build, *operands, q2, meta)
-  if finish is not None:      # (B, splits, R, N), lse -> (B, N, R), lse merged
-    out, lse = finish(out, lse)
-  else:
-    out, lse = combine(out, lse, geo.dtype, rows_last=True)
+  out, lse = combine(out, lse, geo.dtype, rows_last=rows_last)
   return out[:, :geo.QR], lse[:, :geo.QR]
 
 

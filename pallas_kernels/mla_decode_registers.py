@@ -108,7 +108,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.common import F32
-from pallas_kernels.mla_decode import BLOCK_KV, FP8_E4M3, DecodeConfig, Geometry, combine
+from pallas_kernels.mla_decode import BLOCK_KV, FP8_E4M3, DecodeConfig, Geometry
 from pallas_kernels.mla_decode_narrow import SMEM_LIMIT, padded_rows, run_rows_as_n
 from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_fp8,
                                              decode_kernel, masked_positions, online_softmax,
@@ -420,8 +420,7 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
   """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 2) (`PageTable`); returns
   (out (B, QR, R), lse (B, QR))."""
   return run_rows_as_n(geo, config, operands, q2, meta, _kernel, num_splits=num_splits,
-                       # (rows first, columns in order: `store_out_rows`)
-                       finish=lambda out, lse: combine(out, lse, geo.dtype),
+                       rows_last=False,   # (rows first, in order: `store_out_rows`)
                        sm_scale=sm_scale, stages=_stages(geo, config))
 
 
