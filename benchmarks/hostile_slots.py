@@ -33,6 +33,7 @@ def main() -> int:
     if decode_only:
       failures += sum(hostile_decode(cfg, rng, s_q) for s_q in (1, 2))
       failures += hostile_decode(cfg, rng, 2, H=64)
+      failures += hostile_decode(cfg, rng, 1, B=64)   # 2 splits (registers: merged in-kernel)
       continue
     failures += sum(hostile_set(cfg, rng, T) for T in (1, 3, 200))
     if set_only:
@@ -148,17 +149,18 @@ def hostile_rope_set(cfg, rng, T: int) -> int:
   return int(not ok)
 
 
-def hostile_decode(cfg, rng, s_q: int, H: int = 16) -> int:
+def hostile_decode(cfg, rng, s_q: int, H: int = 16, B: int = 16) -> int:
   """mla_decode with page ids outside the buffer (both signs, huge), zero, negative and
   huge lengths, H heads (16 heads at s_q = 1 and 2 take the registers / narrow paths; 64
-  heads at s_q = 2, two 64-row M tiles, the wide path): the kernel must read nothing
-  outside the layer and equal XLA."""
+  heads at s_q = 2, two 64-row M tiles, the wide path; B sequences: 16 make 8 splits on 132
+  multiprocessors, 64 make 2): the kernel must read nothing outside the layer and equal
+  XLA."""
   cache = mc.set_mla_kv_buffer(
       mc.init_cache(cfg), 0, jnp.arange(cfg.rows),
       jnp.asarray(rng.standard_normal((cfg.rows, 1, 512)), jnp.bfloat16),
       jnp.asarray(rng.standard_normal((cfg.rows, 1, 64)), jnp.bfloat16))
   npages = cfg.rows // cfg.page_size
-  B, P = 16, 40
+  P = 40
   table = rng.integers(0, npages, (B, P)).astype(np.int32)
   table[:, ::3] = npages + rng.integers(0, 10**6, (B, (P + 2) // 3))
   table[:, 1::5] = -rng.integers(1, 10**6, (B, (P + 3) // 5))
@@ -174,7 +176,8 @@ def hostile_decode(cfg, rng, s_q: int, H: int = 16) -> int:
   err = np.sqrt(((o_p - o_x) ** 2).sum() / max((o_x ** 2).sum(), 1e-30))
   same_empty = np.array_equal(np.isneginf(l_p), np.isneginf(l_x))
   ok = err < 1e-2 and same_empty and np.all(o_p[np.isneginf(l_x)] == 0)
-  print(f"{cfg.quant_method}: hostile mla_decode s_q={s_q} H={H} {'ok' if ok else 'MISMATCH'} "
+  print(f"{cfg.quant_method}: hostile mla_decode B={B} s_q={s_q} H={H} "
+        f"{'ok' if ok else 'MISMATCH'} "
         f"(relative RMS {err:.2e}, empty queries agree: {same_empty})", flush=True)
   return int(not ok)
 

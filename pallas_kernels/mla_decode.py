@@ -73,11 +73,14 @@ class DecodeConfig:
       "narrow" and "wide"; "registers": the deepest ring that fits, at most 4).
     num_sms: multiprocessors to fill when choosing the split count (None: the device's).
     path: one of `PATHS` to force it (None: the first that takes the call).
+    cluster_merge: the "registers" path at 2 splits: merge them in the kernel, the two
+      programs of a sequence one cluster (False: an XLA fusion after the kernel).
   """
 
   stages: int | None = None
   num_sms: int | None = None
   path: str | None = None
+  cluster_merge: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

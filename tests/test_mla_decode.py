@@ -450,6 +450,30 @@ def test_kernel_interpret_empty_and_one_token_sequences(path, rng):
   assert_close(got, want)
 
 
+@pytest.mark.parametrize("merge", [True, False])
+def test_register_path_cluster_merge_interpret_and_lowering(merge, rng):
+  """The registers path at 2 splits merged in the kernel (`DecodeConfig.cluster_merge`;
+  interpret mode: the stand-in through global memory) or by XLA: lengths 0, 1, one past a
+  block (split 1 sees nothing) and longer, a masked page; equal to the float64 model.
+  Lowered for CUDA, the merge is one cluster of 2 programs a sequence whose outputs have
+  one part (no merge after the kernel)."""
+  cfg = CONFIGS["pth"].replace(page_size=64, size=1024)
+  cache = filled_cache(cfg, rng)
+  q, table, _ = problem(cfg, rng, B=5, s_q=1, H=16, P=8)
+  lens = np.asarray([0, 1, 65, 300, 512], np.int32)
+  args = dict(sm_scale=0.2, page_size=64, kv_lora_rank=512)
+  f = lambda *a: kernel.mla_decode(*a, num_splits=2, config=kernel.DecodeConfig(
+      path="registers", cluster_merge=merge), **args)
+  operands = (cache.layer(0), q, jnp.asarray(table), jnp.asarray(lens))
+  got = jax.jit(f)(*operands)
+  assert np.all(np.isneginf(np.asarray(got[1])[0]))
+  assert_close(got, decode64(*operands, **args))
+  jaxpr = str(jax.make_jaxpr(f)(*operands))
+  assert ("cluster=(2,)" in jaxpr) == merge
+  text = jax.jit(f).trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text.lower()
+
+
 @pytest.mark.parametrize("R", [256, 1024])
 def test_register_path_other_latent_widths_interpret_and_lowering(R, rng):
   """The registers path at kv_lora_rank 256 (two 128-column chunks: half of the output
@@ -811,6 +835,36 @@ def test_gpu_kernel_ignores_garbage_rows_it_may_not_see(mode, page_size, s_q, H)
     got = _kernel_path(cache, q, table, lens, path)
     assert np.all(np.isfinite(np.asarray(got[0], np.float32))), path
     assert_close(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,page_size", [(64, 64), (50, 32)])
+def test_gpu_registers_cluster_merge(B, page_size):
+  """The registers path at 2 splits (B = 64 and 50 on 132 multiprocessors, DeepSeek-V3's
+  16 heads): the splits merged in the kernel, the two programs of a sequence one cluster
+  (distributed shared memory), on hostile page tables, lengths whose second split is empty
+  and NaN / inf rows where no query looks: equal to the reference, close to the XLA merge."""
+  rng = np.random.default_rng(B)
+  cache, q, table, lens = _gpu_case("pth", B, 1, 16, 3000, page_size, rng, hostile=True)
+  lens[4:8] = (1, 64, 65, 2 * 64 + 1)
+  table = np.where(table == 0, 1, table).astype(np.int32)
+  cache = mc.MLAKVCache(buffers=(poison(cache.layer(0), table, lens, page_size),),
+                        config=cache.config)
+  want = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.07, implementation="xla")
+  want = tuple(np.asarray(x, np.float64) for x in want)
+  cfg = cache.config
+  got = {}
+  for merge in (True, False):
+    config = kernel.DecodeConfig(path="registers", cluster_merge=merge, num_sms=132)
+    f = jax.jit(lambda *a, config=config: kernel.mla_decode(
+        *a, sm_scale=0.07, page_size=cfg.page_size, kv_lora_rank=cfg.kv_lora_rank,
+        config=config))
+    args = (cache.layer(0), q, jnp.asarray(table), jnp.asarray(lens))
+    assert ("cluster=(2,)" in str(jax.make_jaxpr(f)(*args))) == merge
+    got[merge] = f(*args)
+    assert np.all(np.isfinite(np.asarray(got[merge][0], np.float32)))
+    assert_close(got[merge], want)
+  np.testing.assert_allclose(np.asarray(got[True][1]), np.asarray(got[False][1]), atol=1e-5)
 
 
 @pytest.mark.gpu
