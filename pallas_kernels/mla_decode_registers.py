@@ -88,16 +88,21 @@ us, and no tile at all.
   `logs/2026-12-06c_diag_decode_registers_first_h100.log` and `..._16bit_keys_...`), and
   its value warpgroup holds 128 accumulator registers a thread there.
 * Two splits (`CLUSTER_SPLITS`: B = 45..65 on 132 multiprocessors, DeepSeek-V3's 16 heads
-  at a batch of 64) are merged in the kernel (`DecodeConfig.cluster_merge`): the two
-  programs of a sequence are one cluster; split 1's value warpgroup stores its output
-  (normalized, in q's dtype: what XLA's merge reads) and its lse into split 0's shared
-  memory (``st.async`` over distributed shared memory, completing on split 0's barrier:
-  `exchange_through_cluster`), and split 0 merges them with its own float32 accumulators
-  by their lse before `store_out_rows`. The call is then the kernel alone: no merge
-  fusion and no lse fusion after it (~3.6 us a call on an H100 at B = 64). It needs 20 KB
-  of shared memory beside a 4-stage ring (224 of 227 KB at R = 512; at R = 1024 XLA
-  merges). Interpret mode has no ``st.async``: the stand-in goes through global memory
-  and a cluster barrier (`exchange_through_gmem`).
+  at a batch of 64) can be merged in the kernel (`DecodeConfig.cluster_merge`, off by
+  default: not yet measured on a GPU): the two programs of a sequence are one cluster;
+  split 1's value warpgroup stores its output (normalized, in q's dtype: what XLA's merge
+  reads) and its lse into split 0's shared memory (``st.async`` over distributed shared
+  memory, completing on split 0's barrier: `exchange_through_cluster`), and split 0 merges
+  them with its own float32 accumulators by their lse before `store_out_rows`. The call
+  would then be the kernel alone: no merge fusion and no lse fusion after it (~3.6 us a
+  call on an H100 at B = 64). It needs 20 KB of shared memory beside a 4-stage ring (224
+  of 227 KB at R = 512; at R = 1024 XLA merges). The first version, whose split 1 exited
+  right after its stores, hung on an H100 (`logs/2026-12-07b_cluster_merge_first_h100.log`,
+  and so did the bare store, `benchmarks/diag_cluster_store.py --no-done`); split 1 now
+  waits at a cluster barrier until split 0 has received them (CUDA's rule for distributed
+  shared memory: no block exits while such operations are in flight), not yet run on a
+  GPU (`gpu_session.sh cluster`). Interpret mode has no ``st.async``: the stand-in goes
+  through global memory and a cluster barrier (`exchange_through_gmem`).
 
 Interpret mode (CPU tests) has no ``inline_mgpu`` and no register A operands: there the
 blocks are converted into a float16 shared tile per stage and both products read it (the
@@ -663,9 +668,10 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       hand_over = (tuple((acc * columns(inv)).astype(dtype) for acc in accs),
                    columns(lse_own))
       if interpret:
-        receive = exchange_through_gmem(sp, b, hand_over, box, lse_box, exchange, *box_bars)
+        receive, finish = exchange_through_gmem(sp, b, hand_over, box, lse_box, exchange,
+                                                *box_bars)
       else:
-        receive = exchange_through_cluster(sp, hand_over, box, lse_box, *box_bars)
+        receive, finish = exchange_through_cluster(sp, hand_over, box, lse_box, *box_bars)
 
       @pl.when(sp == 0)
       def _merge():
@@ -685,6 +691,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
         plgpu.copy_smem_to_gmem(alpha_smem, lse_ref.at[b, 0])
         store_out_rows(merged, columns(jnp.ones_like(inv)), o_smem, order_smem, rows_smem,
                        out_ref.at[b, 0], dtype)
+        finish()
 
   smem = [
       q_buffer(N, R + Rr, dtype, tile),                                       # q
@@ -721,7 +728,8 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
                    plgpu.Barrier(num_arrivals=2)]
     else:
       # (every thread of the peer's warpgroup arrives once per store)
-      barriers += [plgpu.Barrier(num_arrivals=128 * (R // 64 + 1))]
+      barriers += [plgpu.Barrier(num_arrivals=128 * (R // 64 + 1)),
+                   plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1)]
   kernel = decode_kernel(body, out_shape=(N, R), rows=N, dtype=dtype,
                          scratch=smem + barriers, splits=splits, B=B, num_threads=2,
                          name="mla_decode_registers", interpret=interpret, cluster=merge,
@@ -737,10 +745,15 @@ def _box_tile(dtype, N: int) -> tuple:
   return (plgpu.TilingTransform((8, N)), plgpu.SwizzleTransform(row))
 
 
-def exchange_through_cluster(sp, hand_over, box, lse_box, box_bar):
+def exchange_through_cluster(sp, hand_over, box, lse_box, box_bar, done_bar):
   """Split 1 stores `hand_over` ((tiles (64, N) in q's dtype), lse tile (64, N) float32)
   into split 0's `box` / `lse_box` (distributed shared memory: ``st.async`` completing on
-  split 0's `box_bar`); returns split 0's wait for them."""
+  split 0's `box_bar`); returns (split 0's wait for them, split 0's last step).
+
+  A block must not exit while its distributed shared-memory operations are in flight: split
+  1 waits at the cluster barrier `done_bar` until split 0 has received everything, and
+  split 0 waits there before it exits (its arrival lands in split 1's shared memory). A
+  first version without it hung on an H100 (session 2026-12-07b)."""
   tiles, lse_tile = hand_over
 
   @pl.when(sp == 1)
@@ -748,8 +761,14 @@ def exchange_through_cluster(sp, hand_over, box, lse_box, box_bar):
     for t, x in enumerate(tiles):
       plgpu.async_store_smem(x, box.at[t], box_bar, cluster_idx=0, cluster_dim="s")
     plgpu.async_store_smem(lse_tile, lse_box, box_bar, cluster_idx=0, cluster_dim="s")
+    plgpu.barrier_arrive(done_bar)
+    plgpu.barrier_wait(done_bar)
 
-  return lambda: plgpu.barrier_wait(box_bar)
+  def receive():
+    plgpu.barrier_wait(box_bar)
+    plgpu.barrier_arrive(done_bar)
+
+  return receive, lambda: plgpu.barrier_wait(done_bar)
 
 
 def exchange_through_gmem(sp, b, hand_over, box, lse_box, exchange, cluster_bar, copy_bar):
@@ -777,4 +796,4 @@ def exchange_through_gmem(sp, b, hand_over, box, lse_box, exchange, cluster_bar,
     plgpu.copy_gmem_to_smem(ex_lse.at[b], lse_box, copy_bar)
     plgpu.barrier_wait(copy_bar)
 
-  return receive
+  return receive, lambda: None
