@@ -6,11 +6,15 @@ Two programs a cluster, B clusters: program 1 stores a (64, 32) float32 tile (WG
 into program 0's shared memory; program 0 waits on its barrier, adds its own tile and writes
 the sum. Prints the largest error against x[:, 0] + 2 x[:, 1].
 
-    python benchmarks/diag_cluster_store.py [--no-done] [--interpret] [--lower]
+    python benchmarks/diag_cluster_store.py [--no-done] [--arrivals-per-thread] [--interpret]
+        [--lower]
 
 --no-done: program 1 exits right after its stores (no rendezvous at a cluster barrier after
-program 0 has received them). That first version hung on an H100 (session 2026-12-07b,
-`results/logs/2026-12-07b_cluster_merge_first_h100.log`); run each variant under `timeout`.
+program 0 has received them; CUDA asks for one).
+--arrivals-per-thread: program 0's barrier set to 128 arrivals a store, as first written:
+a barrier counts a warpgroup's 128 threads as one arrival, so it waits for 128 x 128 and
+hangs (H100, session 2026-12-07b, `results/logs/2026-12-07b_cluster_merge_first_h100.log`).
+Run each variant under `timeout`.
 --interpret: interpret mode (it has no ``st.async``: fails).
 --lower: lower for CUDA only (no GPU needed).
 """
@@ -25,6 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 INTERPRET = "--interpret" in sys.argv
 DONE = "--no-done" not in sys.argv
+PER_THREAD = "--arrivals-per-thread" in sys.argv
 WGMMA = plgpu.Layout.WGMMA
 B = 4
 TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
@@ -62,7 +67,10 @@ def run(x):
       body, out_type=jax.ShapeDtypeStruct((B, 64, 32), jnp.float32),
       scratch_types=[plgpu.SMEM((64, 32), jnp.float32, transforms=TILE),
                      plgpu.SMEM((64, 32), jnp.float32, transforms=TILE),
-                     plgpu.Barrier(num_arrivals=128),   # (each thread's store arrives once)
+                     # (one store: each of its 128 threads arrives once, which a barrier
+                     # counts as one warpgroup arrival; --arrivals-per-thread: 128, as
+                     # first written, makes the barrier wait for 128 x 128)
+                     plgpu.Barrier(num_arrivals=128 if PER_THREAD else 1),
                      plgpu.Barrier(num_arrivals=1),
                      plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=1)],
       grid=(B,), grid_names=("b",), cluster=(2,), cluster_names=("c",),
@@ -71,14 +79,15 @@ def run(x):
 
 def main():
   x = jnp.arange(B * 2 * 64 * 32, dtype=jnp.float32).reshape(B, 2, 64, 32) / 7
-  variant = "with" if DONE else "without"
+  variant = ("with" if DONE else "without") + (
+      " the rendezvous, 128 arrivals a store" if PER_THREAD else " the rendezvous")
   if "--lower" in sys.argv:
     jax.jit(run).trace(x).lower(lowering_platforms=("cuda",))
-    print(f"cluster store ({variant} the rendezvous): lowered for CUDA")
+    print(f"cluster store ({variant}): lowered for CUDA")
     return
   out = jax.block_until_ready(run(x))
   err = float(jnp.abs(out - (x[:, 0] + 2 * x[:, 1])).max())
-  print(f"cluster store ({variant} the rendezvous): max error {err}", flush=True)
+  print(f"cluster store ({variant}): max error {err}", flush=True)
 
 
 if __name__ == "__main__":

@@ -54,10 +54,11 @@ if want ab; then  # A/B of diag_decode.py variants (AB_ONLY) at AB_SHAPES: the r
   echo "ptxas: $(ptxas_of 2,1,16,256 ${AB_SASS:-pth-registers-s4})" | tee -a "$OUT/ab.log"
 fi
 if want cluster; then  # the registers path's in-kernel merge of 2 splits (cluster_merge): the
-  # bare cluster store with its rendezvous, then without (hung once: last, under a timeout),
-  # its GPU tests, and its time against XLA's merge (and bf16) at the shapes with 2 splits
-  for flag in "" --no-done; do
-    timeout 60 python3 benchmarks/diag_cluster_store.py $flag 2>&1 | grep -v Warn | tail -2
+  # bare cluster store with its rendezvous, then without, then with the barrier count first
+  # written (hangs: last, under a timeout), its GPU tests, and its time against XLA's merge
+  # (and bf16) at the shapes with 2 splits
+  for flag in "" --no-done --arrivals-per-thread; do
+    timeout 45 python3 benchmarks/diag_cluster_store.py $flag 2>&1 | grep -v Warn | tail -2
     echo "diag_cluster_store.py $flag: rc ${PIPESTATUS[0]}"
   done | tee "$OUT/cluster.log"
   timeout -s INT -k 20 150 "${PYTEST[@]}" tests/test_mla_decode.py -k cluster_merge \

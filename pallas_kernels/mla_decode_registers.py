@@ -96,13 +96,16 @@ us, and no tile at all.
   them with its own float32 accumulators by their lse before `store_out_rows`. The call
   would then be the kernel alone: no merge fusion and no lse fusion after it (~3.6 us a
   call on an H100 at B = 64). It needs 20 KB of shared memory beside a 4-stage ring (224
-  of 227 KB at R = 512; at R = 1024 XLA merges). The first version, whose split 1 exited
-  right after its stores, hung on an H100 (`logs/2026-12-07b_cluster_merge_first_h100.log`,
-  and so did the bare store, `benchmarks/diag_cluster_store.py --no-done`); split 1 now
-  waits at a cluster barrier until split 0 has received them (CUDA's rule for distributed
-  shared memory: no block exits while such operations are in flight), not yet run on a
-  GPU (`gpu_session.sh cluster`). Interpret mode has no ``st.async``: the stand-in goes
-  through global memory and a cluster barrier (`exchange_through_gmem`).
+  of 227 KB at R = 512; at R = 1024 XLA merges). Its first version hung on an H100
+  (`logs/2026-12-07b_cluster_merge_first_h100.log`; the bare store of
+  `benchmarks/diag_cluster_store.py` too): split 0's barrier was set to expect 128 x too
+  many arrivals (a barrier counts a warpgroup's 128 threads as one arrival, and each
+  thread of a store arrives once), as the lowered module shows (``mbarrier.init`` of 128 x
+  128 x 9); a CPU test now checks those counts in the lowered kernel. Split 1 also waits
+  at a cluster barrier until split 0 has received its stores (CUDA's rule for
+  distributed shared memory: no block exits while such operations may be in flight). Not
+  yet run on a GPU since (`gpu_session.sh cluster`). Interpret mode has no ``st.async``:
+  the stand-in goes through global memory and a cluster barrier (`exchange_through_gmem`).
 
 Interpret mode (CPU tests) has no ``inline_mgpu`` and no register A operands: there the
 blocks are converted into a float16 shared tile per stage and both products read it (the
@@ -727,8 +730,9 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       barriers += [plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1),
                    plgpu.Barrier(num_arrivals=2)]
     else:
-      # (every thread of the peer's warpgroup arrives once per store)
-      barriers += [plgpu.Barrier(num_arrivals=128 * (R // 64 + 1)),
+      # (one arrival a store: each thread of the storing warpgroup arrives once, and a
+      # barrier counts a warpgroup's 128 threads as one arrival; 128 x that hung)
+      barriers += [plgpu.Barrier(num_arrivals=R // 64 + 1),
                    plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1)]
   kernel = decode_kernel(body, out_shape=(N, R), rows=N, dtype=dtype,
                          scratch=smem + barriers, splits=splits, B=B, num_threads=2,
@@ -750,10 +754,10 @@ def exchange_through_cluster(sp, hand_over, box, lse_box, box_bar, done_bar):
   into split 0's `box` / `lse_box` (distributed shared memory: ``st.async`` completing on
   split 0's `box_bar`); returns (split 0's wait for them, split 0's last step).
 
-  A block must not exit while its distributed shared-memory operations are in flight: split
-  1 waits at the cluster barrier `done_bar` until split 0 has received everything, and
-  split 0 waits there before it exits (its arrival lands in split 1's shared memory). A
-  first version without it hung on an H100 (session 2026-12-07b)."""
+  A block must not exit while its distributed shared-memory operations may be in flight:
+  split 1 waits at the cluster barrier `done_bar` until split 0 has received everything,
+  and split 0 waits there before it exits (its arrival lands in split 1's shared memory).
+  `box_bar` expects one arrival per store (see `_kernel`)."""
   tiles, lse_tile = hand_over
 
   @pl.when(sp == 1)

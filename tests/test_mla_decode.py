@@ -474,6 +474,39 @@ def test_register_path_cluster_merge_interpret_and_lowering(merge, rng):
   assert "mosaic_gpu" in text.lower()
 
 
+def test_register_path_cluster_merge_barrier_counts(monkeypatch):
+  """The lowered cluster merge (no GPU needed): split 1's stores into split 0's shared memory
+  arrive on split 0's barrier once per thread and store (``arrive.expect_tx`` at cluster
+  scope, R / 64 + 1 stores of a warpgroup), so that barrier must be initialized to expect
+  128 x (R / 64 + 1) arrivals -- its first version expected 128 x as many and hung on an
+  H100 (`logs/2026-12-07b_cluster_merge_first_h100.log`)."""
+  import re
+  from jax.experimental.mosaic.gpu import core as mgpu_core
+  modules = []
+  lower = mgpu_core.lower_mgpu_module
+
+  def keep(module, *args, **kwargs):
+    lower(module, *args, **kwargs)
+    modules.append(str(module))
+
+  monkeypatch.setattr(mgpu_core, "lower_mgpu_module", keep)
+  cfg = mc.DEEPSEEK_V3_FP8.replace(size=4096 - 64, page_size=64, layer_num=1)
+  args = (mc.cache_spec(cfg).layer(0), jax.ShapeDtypeStruct((3, 1, 16, 576), jnp.bfloat16),
+          jax.ShapeDtypeStruct((3, 7), jnp.int32), jax.ShapeDtypeStruct((3,), jnp.int32))
+  f = lambda *a: kernel.mla_decode(*a, sm_scale=0.1, page_size=64, kv_lora_rank=512,
+                                   num_splits=2, config=kernel.DecodeConfig(
+                                       path="registers", cluster_merge=True))
+  jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+  [text] = [m for m in modules if "st.async" in m]
+  stores = 512 // 64 + 1
+  # (jax 0.11.2: nvvm's "... scope = cluster"; 0.12: "...expect_tx.release.cluster...")
+  remote = re.findall(r"arrive\.expect_tx[^\n]*(?:scope = cluster|release\.cluster)", text)
+  assert len(remote) == stores
+  inits = [int(n) for n in re.findall(r'mbarrier\.init\.shared::cta\.b64 \[\$0\], \$1;", '
+                                      r'"r,r,b" %\w+, %c(\d+)_i32', text)]
+  assert 128 * stores in inits and 128 * 128 * stores not in inits, inits
+
+
 @pytest.mark.parametrize("R", [256, 1024])
 def test_register_path_other_latent_widths_interpret_and_lowering(R, rng):
   """The registers path at kv_lora_rank 256 (two 128-column chunks: half of the output
