@@ -54,11 +54,6 @@ def main():
                kernel.DecodeConfig(path=path, stages=stages))
               for mode in ("bf16", "pth") for path in kernel.PATHS
               for stages in ((2, 3, 4) if path == "registers" else (2, 3))]
-  # The registers path with its 2 splits merged in the kernel (`DecodeConfig.cluster_merge`,
-  # not the default until measured) instead of by XLA after it.
-  variants += [(f"pth-registers-s{stages}-cluster-merge", True,
-                kernel.DecodeConfig(path="registers", stages=stages, cluster_merge=True))
-               for stages in (3, 4)]
   caches = {}
   if args.only:
     variants = [v for v in variants if v[0].startswith(tuple(args.only.split(",")))]

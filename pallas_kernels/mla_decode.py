@@ -73,15 +73,11 @@ class DecodeConfig:
       "narrow" and "wide"; "registers": the deepest ring that fits, at most 4).
     num_sms: multiprocessors to fill when choosing the split count (None: the device's).
     path: one of `PATHS` to force it (None: the first that takes the call).
-    cluster_merge: the "registers" path at 2 splits: merge them in the kernel, the two
-      programs of a sequence one cluster (False, the default until it is measured on a
-      GPU: an XLA fusion after the kernel; `mla_decode_registers`).
   """
 
   stages: int | None = None
   num_sms: int | None = None
   path: str | None = None
-  cluster_merge: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

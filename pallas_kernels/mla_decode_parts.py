@@ -83,27 +83,19 @@ def kv_scratch(pro: Prologue, *, q_rows: int, quantized: bool, stages: int, R: i
 
 def decode_kernel(body, *, out_shape: tuple, rows: int, dtype, scratch: list, splits: int,
                   B: int, num_threads: int, name: str, interpret: bool, m_tiles: int = 0,
-                  cluster: bool = False, extra_out: tuple = (), **params):
+                  **params):
   """`plgpu.kernel` of a decode path over a (splits, B) grid -- (m_tiles, splits, B) when
   ``m_tiles`` -- of warpgroups "wg": outputs the partial results (B, splits, *out_shape) in
   ``dtype`` and their lse (B, splits, rows) float32, for `mla_decode`'s merge of the
-  splits. With ``cluster`` the splits of a sequence are one cluster (axis "s", B clusters)
-  that merges them itself: outputs (B, 1, *out_shape) and (B, 1, rows). ``extra_out``:
-  more outputs (`jax.ShapeDtypeStruct`s) after those two. ``params``: extra
-  `compiler_params` (approximate math is always on)."""
+  splits. ``params``: extra `compiler_params` (approximate math is always on)."""
   grid, names = ((splits, B), ("s", "b")) if not m_tiles else \
       ((m_tiles, splits, B), ("m", "s", "b"))
-  clusters = {}
-  if cluster:
-    assert not m_tiles
-    grid, names, clusters = (B,), ("b",), dict(cluster=(splits,), cluster_names=("s",))
-  parts = 1 if cluster else splits
   return plgpu.kernel(
       body,
-      out_type=(jax.ShapeDtypeStruct((B, parts, *out_shape), dtype),
-                jax.ShapeDtypeStruct((B, parts, rows), F32), *extra_out),
+      out_type=(jax.ShapeDtypeStruct((B, splits, *out_shape), dtype),
+                jax.ShapeDtypeStruct((B, splits, rows), F32)),
       scratch_types=scratch, grid=grid, grid_names=names, num_threads=num_threads,
-      thread_name="wg", kernel_name=name, **clusters,
+      thread_name="wg", kernel_name=name,
       compiler_params=common.compiler_params(approx_math=True, **params),
       interpret=common.interpret_params() if interpret else None,
   )
@@ -457,8 +449,7 @@ def softmax_end(m_i, l_part, n_steps, *, l_smem, staging, p_free, dst,
   `l_smem` (the warpgroups that accumulate values divide their outputs by them; times
   `l_units` (N,) where given), the other warpgroup's last release of P observed
   (`p_free`), then lse = ln(sum) + max (natural log; -inf where nothing was visible)
-  into the shared-memory ref `staging` and from there to the global-memory ref `dst`
-  (None: left in `staging`, committed, for a merge in the kernel)."""
+  through the shared-memory ref `staging` to the global-memory ref `dst`."""
   l_i = l_part.sum(axis=0)
   l_smem[...] = l_i if l_units is None else l_i * l_units
 
@@ -468,8 +459,7 @@ def softmax_end(m_i, l_part, n_steps, *, l_smem, staging, p_free, dst,
   has = l_i > 0
   staging[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) * LN2, -jnp.inf)
   plgpu.commit_smem()
-  if dst is not None:
-    plgpu.copy_smem_to_gmem(staging, dst)
+  plgpu.copy_smem_to_gmem(staging, dst)
 
 
 def publish_weights(i, p, alpha, *, p_smem, alpha_smem, p_free, p_ready) -> None:

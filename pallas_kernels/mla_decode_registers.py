@@ -87,25 +87,6 @@ us, and no tile at all.
   narrow path's converted tile (H100, B = 64, context 4096: kernel 99.6 vs 100.5 us;
   `logs/2026-12-06c_diag_decode_registers_first_h100.log` and `..._16bit_keys_...`), and
   its value warpgroup holds 128 accumulator registers a thread there.
-* Two splits (`CLUSTER_SPLITS`: B = 45..65 on 132 multiprocessors, DeepSeek-V3's 16 heads
-  at a batch of 64) can be merged in the kernel (`DecodeConfig.cluster_merge`, off by
-  default: not yet measured on a GPU): the two programs of a sequence are one cluster;
-  split 1's value warpgroup stores its output (normalized, in q's dtype: what XLA's merge
-  reads) and its lse into split 0's shared memory (``st.async`` over distributed shared
-  memory, completing on split 0's barrier: `exchange_through_cluster`), and split 0 merges
-  them with its own float32 accumulators by their lse before `store_out_rows`. The call
-  would then be the kernel alone: no merge fusion and no lse fusion after it (~3.6 us a
-  call on an H100 at B = 64). It needs 20 KB of shared memory beside a 4-stage ring (224
-  of 227 KB at R = 512; at R = 1024 XLA merges). Its first version hung on an H100
-  (`logs/2026-12-07b_cluster_merge_first_h100.log`; the bare store of
-  `benchmarks/diag_cluster_store.py` too): split 0's barrier was set to expect 128 x too
-  many arrivals (a barrier counts a warpgroup's 128 threads as one arrival, and each
-  thread of a store arrives once), as the lowered module shows (``mbarrier.init`` of 128 x
-  128 x 9); a CPU test now checks those counts in the lowered kernel. Split 1 also waits
-  at a cluster barrier until split 0 has received its stores (CUDA's rule for
-  distributed shared memory: no block exits while such operations may be in flight). Not
-  yet run on a GPU since (`gpu_session.sh cluster`). Interpret mode has no ``st.async``:
-  the stand-in goes through global memory and a cluster barrier (`exchange_through_gmem`).
 
 Interpret mode (CPU tests) has no ``inline_mgpu`` and no register A operands: there the
 blocks are converted into a float16 shared tile per stage and both products read it (the
@@ -137,7 +118,6 @@ from pallas_kernels.mla_decode_parts import (CONVERT_COLS, accumulate, convert_f
 
 MAX_ROWS = 16           # more rows: the narrow path's converted tile is faster (below)
 MAX_STAGES = 4
-CLUSTER_SPLITS = 2      # splits merged in the kernel (`DecodeConfig.cluster_merge`)
 PAIRS = 64              # 16-bit column pairs a load: 128 fp8 columns
 # The fp8 nope ring in tiles of 8 rows x SWIZZLE bytes, swizzled as wide: its TMA copies
 # then read SWIZZLE bytes of a row a request. The narrow and wide paths' 64-byte tiles
@@ -412,15 +392,14 @@ def _stages(geo: Geometry, config: DecodeConfig) -> int:
   return 0
 
 
-def _smem_bytes(geo: Geometry, N: int, stages: int, merge: bool = False) -> int:
+def _smem_bytes(geo: Geometry, N: int, stages: int) -> int:
   size = geo.dtype.itemsize
   kb = lambda n: -(-n // 1024) * 1024     # every allocation is aligned to 1 KB
   return (kb(N * (geo.R + geo.Rr) * size)                     # q
           + max(stages * kb(BLOCK_KV * geo.R), kb(192 * 128 * size))   # fp8 ring | out
           + stages * (kb(BLOCK_KV * geo.Rr * size) + kb(4 * BLOCK_KV))
           + kb(N * BLOCK_KV * 2) + kb(64 * 128 * size)        # W (float16), out's tiles
-          + 2 * kb(4 * N) + 2048                              # alpha / lse, sum, barriers
-          + merge * (kb(geo.R * N * size) + kb(64 * N * 4)))  # a peer's out and lse
+          + 2 * kb(4 * N) + 2048)                             # alpha / lse, sum, barriers
 
 
 def takes(geo: Geometry, config: DecodeConfig) -> str | None:
@@ -440,13 +419,9 @@ def run(geo: Geometry, config: DecodeConfig, operands, q2, meta, *,
         sm_scale: float, num_splits: int | None):
   """The kernel on prepared operands: q2 (B, QR, W), meta (B, P + 2) (`PageTable`); returns
   (out (B, QR, R), lse (B, QR))."""
-  stages = _stages(geo, config)
-  # (the merge's shared memory on top of the ring, where it fits: at R = 512, 224 KB)
-  merge = config.cluster_merge and _smem_bytes(geo, padded_rows(geo.QR), stages,
-                                               merge=True) <= SMEM_LIMIT
   return run_rows_as_n(geo, config, operands, q2, meta, _kernel, num_splits=num_splits,
                        rows_last=False,   # (rows first, in order: `store_out_rows`)
-                       sm_scale=sm_scale, stages=stages, cluster_merge=merge)
+                       sm_scale=sm_scale, stages=_stages(geo, config))
 
 
 def out_order_halves(dtype, layout):
@@ -495,22 +470,17 @@ def store_out_rows(accs, inv, x_smem, order_smem, rows_smem, dst, dtype) -> None
 
 
 def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_scale,
-            stages, cluster_merge):
+            stages):
   pro = prologue(dtype, page_size, sm_scale)
   tile, _, copies, score_scale, row_vec, col_vec = pro
   n_chunks = R // (2 * PAIRS)
-  merge = cluster_merge and splits == CLUSTER_SPLITS
 
-  def body(nope_ref, scale_ref, rope_ref, q_ref, meta_ref, out_ref, lse_ref, *refs):
-    if merge and interpret:
-      exchange, refs = refs[:2], refs[2:]
-    (q_buf, fp8_union, rope_smem, scale_smem, p_smem, o_smem, alpha_smem, l_smem,
-     *rest) = refs
+  def body(nope_ref, scale_ref, rope_ref, q_ref, meta_ref, out_ref, lse_ref,
+           q_buf, fp8_union, rope_smem, scale_smem, p_smem, o_smem, alpha_smem, l_smem,
+           *rest):
     if interpret:
       key_tiles, *rest = rest
-    if merge:
-      box, lse_box, *rest = rest
-    q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free, *box_bars = rest
+    q_bar, kv_bar, free_bar, sync_bar, p_ready, p_free = rest
     fp8_smem, u16_smem, (order_smem, rows_smem) = fp8_union
     q_smem, qh_smem = q_views(q_buf, dtype)   # (q's dtype; f16 nope: `scale_q_rows`)
     qn_smem = qh_smem.at[:, pl.ds(0, R)]
@@ -624,8 +594,7 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       (m_i, l_part), (e_cur, _) = carry
       # (the value warpgroup divides its accumulators, in units of S, by sum / S)
       softmax_end(m_i, l_part, n_steps, l_smem=l_smem, staging=alpha_smem, p_free=p_free,
-                  dst=None if merge else lse_ref.at[b, sp],
-                  l_units=power(254 - e_cur, (N,), col_vec))
+                  dst=lse_ref.at[b, sp], l_units=power(254 - e_cur, (N,), col_vec))
       warpgroup_sync(sync_bar)      # the sums are in l_smem
       plgpu.wait_smem_to_gmem(0)
 
@@ -658,43 +627,10 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       warpgroup_sync(sync_bar)
       l_all = plgpu.load(l_smem, layout=col_vec)
       has = l_all > 0
-      inv = jnp.where(has, 1.0 / jnp.where(has, l_all, 1.0), 0.0)
-      columns = lambda x: lax.broadcast_in_dim(x, (64, N), [1])
-      if not merge:
-        # (Both warpgroups are past the ring: its bytes stage the output.)
-        store_out_rows(accs, columns(inv), o_smem, order_smem, rows_smem, out_ref.at[b, sp],
-                       dtype)
-        return
-      # The cluster's two splits: split 1 hands its output (normalized, in q's dtype, as
-      # the XLA merge would read it) and its lse to split 0, which merges and stores.
-      lse_own = plgpu.load(alpha_smem, layout=col_vec)   # (softmax_end's, committed)
-      hand_over = (tuple((acc * columns(inv)).astype(dtype) for acc in accs),
-                   columns(lse_own))
-      if interpret:
-        receive, finish = exchange_through_gmem(sp, b, hand_over, box, lse_box, exchange,
-                                                *box_bars)
-      else:
-        receive, finish = exchange_through_cluster(sp, hand_over, box, lse_box, *box_bars)
-
-      @pl.when(sp == 0)
-      def _merge():
-        receive()
-        lse_peer = plgpu.load(lse_box, layout=WGMMA).max(axis=0)   # (its rows are equal)
-        m = jnp.maximum(lse_own, lse_peer)
-        m = jnp.where(jnp.isneginf(m), 0.0, m)                   # both empty: weights 0
-        w_own, w_peer = jnp.exp(lse_own - m), jnp.exp(lse_peer - m)
-        den = w_own + w_peer
-        has = den > 0
-        inv_den = jnp.where(has, 1.0 / jnp.where(has, den, 1.0), 0.0)
-        f_own, f_peer = columns(w_own * inv_den * inv), columns(w_peer * inv_den)
-        merged = tuple(acc * f_own + plgpu.load(box.at[t], layout=WGMMA).astype(F32) * f_peer
-                       for t, acc in enumerate(accs))
-        alpha_smem[...] = jnp.where(has, m + jnp.log(jnp.where(has, den, 1.0)), -jnp.inf)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(alpha_smem, lse_ref.at[b, 0])
-        store_out_rows(merged, columns(jnp.ones_like(inv)), o_smem, order_smem, rows_smem,
-                       out_ref.at[b, 0], dtype)
-        finish()
+      inv = lax.broadcast_in_dim(jnp.where(has, 1.0 / jnp.where(has, l_all, 1.0), 0.0),
+                                 (64, N), [1])
+      # (Both warpgroups are past the ring: its bytes stage the output.)
+      store_out_rows(accs, inv, o_smem, order_smem, rows_smem, out_ref.at[b, sp], dtype)
 
   smem = [
       q_buffer(N, R + Rr, dtype, tile),                                       # q
@@ -720,84 +656,6 @@ def _kernel(interpret, *, B, s_q, H, R, Rr, P, N, splits, page_size, dtype, sm_s
       plgpu.Barrier(num_arrivals=1),                                   # P ready (wg 0 -> 1)
       plgpu.Barrier(num_arrivals=1),                                   # P free (wg 1 -> 0)
   ]
-  extra_out = ()
-  if merge:
-    smem += [plgpu.SMEM((R // 64, 64, N), dtype, transforms=_box_tile(dtype, N)),  # peer's out
-             plgpu.SMEM((64, N), F32, transforms=_box_tile(F32, N))]            # its lse
-    if interpret:
-      extra_out = (jax.ShapeDtypeStruct((B, R // 64, 64, N), dtype),
-                   jax.ShapeDtypeStruct((B, 64, N), F32))
-      barriers += [plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1),
-                   plgpu.Barrier(num_arrivals=2)]
-    else:
-      # (one arrival a store: each thread of the storing warpgroup arrives once, and a
-      # barrier counts a warpgroup's 128 threads as one arrival; 128 x that hung)
-      barriers += [plgpu.Barrier(num_arrivals=R // 64 + 1),
-                   plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=1)]
-  kernel = decode_kernel(body, out_shape=(N, R), rows=N, dtype=dtype,
-                         scratch=smem + barriers, splits=splits, B=B, num_threads=2,
-                         name="mla_decode_registers", interpret=interpret, cluster=merge,
-                         extra_out=extra_out)
-  if extra_out:
-    return lambda *args: kernel(*args)[:2]
-  return kernel
-
-
-def _box_tile(dtype, N: int) -> tuple:
-  """Shared-memory transforms of a (64, N) tile that a peer's `async_store_smem` fills."""
-  row = N * jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, N)), plgpu.SwizzleTransform(row))
-
-
-def exchange_through_cluster(sp, hand_over, box, lse_box, box_bar, done_bar):
-  """Split 1 stores `hand_over` ((tiles (64, N) in q's dtype), lse tile (64, N) float32)
-  into split 0's `box` / `lse_box` (distributed shared memory: ``st.async`` completing on
-  split 0's `box_bar`); returns (split 0's wait for them, split 0's last step).
-
-  A block must not exit while its distributed shared-memory operations may be in flight:
-  split 1 waits at the cluster barrier `done_bar` until split 0 has received everything,
-  and split 0 waits there before it exits (its arrival lands in split 1's shared memory).
-  `box_bar` expects one arrival per store (see `_kernel`)."""
-  tiles, lse_tile = hand_over
-
-  @pl.when(sp == 1)
-  def _():
-    for t, x in enumerate(tiles):
-      plgpu.async_store_smem(x, box.at[t], box_bar, cluster_idx=0, cluster_dim="s")
-    plgpu.async_store_smem(lse_tile, lse_box, box_bar, cluster_idx=0, cluster_dim="s")
-    plgpu.barrier_arrive(done_bar)
-    plgpu.barrier_wait(done_bar)
-
-  def receive():
-    plgpu.barrier_wait(box_bar)
-    plgpu.barrier_arrive(done_bar)
-
-  return receive, lambda: plgpu.barrier_wait(done_bar)
-
-
-def exchange_through_gmem(sp, b, hand_over, box, lse_box, exchange, cluster_bar, copy_bar):
-  """Interpret mode's stand-in for `exchange_through_cluster` (no ``st.async`` there):
-  split 1 writes `hand_over` to the global buffers `exchange`, both splits meet at the
-  cluster barrier, and split 0 copies them into `box` / `lse_box`."""
-  tiles, lse_tile = hand_over
-  ex_tiles, ex_lse = exchange
-
-  @pl.when(sp == 1)
-  def _():
-    for t, x in enumerate(tiles):
-      box.at[t][...] = x
-    lse_box[...] = lse_tile
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(box, ex_tiles.at[b])
-    plgpu.copy_smem_to_gmem(lse_box, ex_lse.at[b])
-    plgpu.wait_smem_to_gmem(0)
-
-  plgpu.barrier_arrive(cluster_bar)
-  plgpu.barrier_wait(cluster_bar)
-
-  def receive():
-    plgpu.copy_gmem_to_smem(ex_tiles.at[b], box, copy_bar)
-    plgpu.copy_gmem_to_smem(ex_lse.at[b], lse_box, copy_bar)
-    plgpu.barrier_wait(copy_bar)
-
-  return receive, lambda: None
+  return decode_kernel(body, out_shape=(N, R), rows=N, dtype=dtype, scratch=smem + barriers,
+                       splits=splits, B=B, num_threads=2, name="mla_decode_registers",
+                       interpret=interpret)

@@ -450,63 +450,6 @@ def test_kernel_interpret_empty_and_one_token_sequences(path, rng):
   assert_close(got, want)
 
 
-@pytest.mark.parametrize("merge", [True, False])
-def test_register_path_cluster_merge_interpret_and_lowering(merge, rng):
-  """The registers path at 2 splits merged in the kernel (`DecodeConfig.cluster_merge`;
-  interpret mode: the stand-in through global memory) or by XLA: lengths 0, 1, one past a
-  block (split 1 sees nothing) and longer, a masked page; equal to the float64 model.
-  Lowered for CUDA, the merge is one cluster of 2 programs a sequence whose outputs have
-  one part (no merge after the kernel)."""
-  cfg = CONFIGS["pth"].replace(page_size=64, size=1024)
-  cache = filled_cache(cfg, rng)
-  q, table, _ = problem(cfg, rng, B=5, s_q=1, H=16, P=8)
-  lens = np.asarray([0, 1, 65, 300, 512], np.int32)
-  args = dict(sm_scale=0.2, page_size=64, kv_lora_rank=512)
-  f = lambda *a: kernel.mla_decode(*a, num_splits=2, config=kernel.DecodeConfig(
-      path="registers", cluster_merge=merge), **args)
-  operands = (cache.layer(0), q, jnp.asarray(table), jnp.asarray(lens))
-  got = jax.jit(f)(*operands)
-  assert np.all(np.isneginf(np.asarray(got[1])[0]))
-  assert_close(got, decode64(*operands, **args))
-  jaxpr = str(jax.make_jaxpr(f)(*operands))
-  assert ("cluster=(2,)" in jaxpr) == merge
-  text = jax.jit(f).trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text.lower()
-
-
-def test_register_path_cluster_merge_barrier_counts(monkeypatch):
-  """The lowered cluster merge (no GPU needed): split 1's stores into split 0's shared memory
-  arrive on split 0's barrier once per thread and store (``arrive.expect_tx`` at cluster
-  scope, R / 64 + 1 stores of a warpgroup), so that barrier must be initialized to expect
-  128 x (R / 64 + 1) arrivals -- its first version expected 128 x as many and hung on an
-  H100 (`logs/2026-12-07b_cluster_merge_first_h100.log`)."""
-  import re
-  from jax.experimental.mosaic.gpu import core as mgpu_core
-  modules = []
-  lower = mgpu_core.lower_mgpu_module
-
-  def keep(module, *args, **kwargs):
-    lower(module, *args, **kwargs)
-    modules.append(str(module))
-
-  monkeypatch.setattr(mgpu_core, "lower_mgpu_module", keep)
-  cfg = mc.DEEPSEEK_V3_FP8.replace(size=4096 - 64, page_size=64, layer_num=1)
-  args = (mc.cache_spec(cfg).layer(0), jax.ShapeDtypeStruct((3, 1, 16, 576), jnp.bfloat16),
-          jax.ShapeDtypeStruct((3, 7), jnp.int32), jax.ShapeDtypeStruct((3,), jnp.int32))
-  f = lambda *a: kernel.mla_decode(*a, sm_scale=0.1, page_size=64, kv_lora_rank=512,
-                                   num_splits=2, config=kernel.DecodeConfig(
-                                       path="registers", cluster_merge=True))
-  jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-  [text] = [m for m in modules if "st.async" in m]
-  stores = 512 // 64 + 1
-  # (jax 0.11.2: nvvm's "... scope = cluster"; 0.12: "...expect_tx.release.cluster...")
-  remote = re.findall(r"arrive\.expect_tx[^\n]*(?:scope = cluster|release\.cluster)", text)
-  assert len(remote) == stores
-  inits = [int(n) for n in re.findall(r'mbarrier\.init\.shared::cta\.b64 \[\$0\], \$1;", '
-                                      r'"r,r,b" %\w+, %c(\d+)_i32', text)]
-  assert 128 * stores in inits and 128 * 128 * stores not in inits, inits
-
-
 @pytest.mark.parametrize("R", [256, 1024])
 def test_register_path_other_latent_widths_interpret_and_lowering(R, rng):
   """The registers path at kv_lora_rank 256 (two 128-column chunks: half of the output
@@ -868,36 +811,6 @@ def test_gpu_kernel_ignores_garbage_rows_it_may_not_see(mode, page_size, s_q, H)
     got = _kernel_path(cache, q, table, lens, path)
     assert np.all(np.isfinite(np.asarray(got[0], np.float32))), path
     assert_close(got, want)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B,page_size", [(64, 64), (50, 32)])
-def test_gpu_registers_cluster_merge(B, page_size):
-  """The registers path at 2 splits (B = 64 and 50 on 132 multiprocessors, DeepSeek-V3's
-  16 heads): the splits merged in the kernel, the two programs of a sequence one cluster
-  (distributed shared memory), on hostile page tables, lengths whose second split is empty
-  and NaN / inf rows where no query looks: equal to the reference, close to the XLA merge."""
-  rng = np.random.default_rng(B)
-  cache, q, table, lens = _gpu_case("pth", B, 1, 16, 3000, page_size, rng, hostile=True)
-  lens[4:8] = (1, 64, 65, 2 * 64 + 1)
-  table = np.where(table == 0, 1, table).astype(np.int32)
-  cache = mc.MLAKVCache(buffers=(poison(cache.layer(0), table, lens, page_size),),
-                        config=cache.config)
-  want = mc.mla_decode(cache, 0, q, table, lens, sm_scale=0.07, implementation="xla")
-  want = tuple(np.asarray(x, np.float64) for x in want)
-  cfg = cache.config
-  got = {}
-  for merge in (True, False):
-    config = kernel.DecodeConfig(path="registers", cluster_merge=merge, num_sms=132)
-    f = jax.jit(lambda *a, config=config: kernel.mla_decode(
-        *a, sm_scale=0.07, page_size=cfg.page_size, kv_lora_rank=cfg.kv_lora_rank,
-        config=config))
-    args = (cache.layer(0), q, jnp.asarray(table), jnp.asarray(lens))
-    assert ("cluster=(2,)" in str(jax.make_jaxpr(f)(*args))) == merge
-    got[merge] = f(*args)
-    assert np.all(np.isfinite(np.asarray(got[merge][0], np.float32)))
-    assert_close(got[merge], want)
-  np.testing.assert_allclose(np.asarray(got[True][1]), np.asarray(got[False][1]), atol=1e-5)
 
 
 @pytest.mark.gpu
