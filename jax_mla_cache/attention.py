@@ -113,6 +113,24 @@ def _lengths_to_int32(lengths: Any, max_len: int) -> jax.Array:
     return jnp.clip(lengths, 0, max_len).astype(jnp.int32)
 
 
+def check_sm_scale(sm_scale: Any, op: str) -> float:
+  """`sm_scale` as a finite Python float (it is static: part of what compiles), or a
+  TypeError / ValueError naming it."""
+  if isinstance(sm_scale, jax.core.Tracer):
+    raise TypeError(f"{op}: sm_scale must be a Python float (static), got a traced value")
+  if isinstance(sm_scale, (str, bytes)) or np.ndim(sm_scale) != 0:
+    raise TypeError(f"{op}: sm_scale must be a float, got {type(sm_scale).__name__} "
+                    f"{sm_scale!r}")
+  try:
+    value = float(sm_scale)
+  except (TypeError, ValueError):
+    raise TypeError(f"{op}: sm_scale must be a float, got {type(sm_scale).__name__} "
+                    f"{sm_scale!r}") from None
+  if not np.isfinite(value):
+    raise ValueError(f"{op}: sm_scale must be finite, got {value}")
+  return value
+
+
 def check_decode_args(cache: MLAKVCache, q, page_table, seq_lens, op: str):
   """Check `mla_decode`'s arrays against `cache.config` (only its geometry is read) and
   return (page_table int32 (B, P), seq_lens int32 (B,)): page ids outside int32 become -1
@@ -199,13 +217,7 @@ def mla_decode(
   """
   dispatch.check_cache(cache, "mla_decode", stacked=True)
   layer_id = dispatch.check_layer_id(cache, layer_id, "mla_decode")
-  if isinstance(sm_scale, jax.core.Tracer):
-    raise TypeError("mla_decode: sm_scale must be a Python float (static), got a traced value")
-  try:
-    sm_scale = float(sm_scale)
-  except TypeError:
-    raise TypeError(f"mla_decode: sm_scale must be a float, got {type(sm_scale).__name__}") \
-        from None
+  sm_scale = check_sm_scale(sm_scale, "mla_decode")
   # Host integers are range-checked here, in their own width: inside the jit a numpy
   # int64 array would already have been narrowed to int32 (2**32 + 5 -> 5).
   page_table, seq_lens = check_decode_args(cache, q, page_table, seq_lens, "mla_decode")

@@ -177,6 +177,44 @@ def host_indices(value: Any) -> Any:
   return value
 
 
+class HostIndices:
+  """A jitted model step whose index arguments `names` (page tables, positions, lengths)
+  pass through `host_indices` before the jit: a numpy int64 page id 2**32 + 3 becomes -1
+  (masked, its rows skipped) instead of the jit's silent truncation to page 3. Calls,
+  ``.lower`` and ``.trace`` go to the jitted function with the narrowed arguments;
+  traced and device arrays pass as they are."""
+
+  def __init__(self, jitted: Callable, names: tuple[str, ...]):
+    self.jitted = jitted
+    self.names = names
+    self._signature = inspect.signature(jitted)
+    functools.update_wrapper(self, jitted)
+
+  def _narrow(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    bound = self._signature.bind(*args, **kwargs)
+    for name in self.names:
+      if name in bound.arguments:
+        bound.arguments[name] = host_indices(bound.arguments[name])
+    return bound.args, bound.kwargs
+
+  def __call__(self, *args, **kwargs):
+    args, kwargs = self._narrow(args, kwargs)
+    return self.jitted(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    args, kwargs = self._narrow(args, kwargs)
+    return self.jitted.lower(*args, **kwargs)
+
+  def trace(self, *args, **kwargs):
+    args, kwargs = self._narrow(args, kwargs)
+    return self.jitted.trace(*args, **kwargs)
+
+
+def host_index_arguments(*names: str) -> Callable[[Callable], HostIndices]:
+  """Decorator: `HostIndices(jitted, names)`."""
+  return lambda jitted: HostIndices(jitted, names)
+
+
 def bind_arguments(
     signature: inspect.Signature, cache: MLAKVCache, op: str, args: tuple, kwargs: dict
 ) -> inspect.BoundArguments:
@@ -305,6 +343,8 @@ def check_layer_id(cache: MLAKVCache | StackedMLAKVCache, layer_id: Any, op: str
         "init_cache(..., stacked=True), or a sharded one, "
         "sharding.init_sharded_cache(..., stacked=True), takes a traced one)"
     )
+  if isinstance(layer_id, (bool, np.bool_)) or getattr(layer_id, "dtype", None) == bool:
+    raise TypeError(f"{op}: layer_id must be an int, got a bool {layer_id!r}")
   try:
     layer_id = operator.index(layer_id)
   except TypeError:

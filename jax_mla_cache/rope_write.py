@@ -120,6 +120,19 @@ def _host_int32(x: Any, fix) -> Any:
   return x
 
 
+def host_positions(positions: Any, cos_sin_cache: Any) -> tuple[Any, Any]:
+  """(positions, cos_sin_cache) on the host before the jit: a list table becomes a numpy
+  array, and host positions of another integer width than int32 are clamped to the table
+  in their own width, then narrowed (the jit would wrap int64 2**32 + 3 to 3). Device
+  arrays pass as they are (they are clamped inside the op)."""
+  if isinstance(cos_sin_cache, (list, tuple)):
+    cos_sin_cache = np.asarray(cos_sin_cache)
+  if hasattr(cos_sin_cache, "shape") and len(cos_sin_cache.shape) == 2:
+    last = max(cos_sin_cache.shape[0] - 1, 0)
+    positions = _host_int32(positions, lambda x: np.clip(x, 0, last))
+  return positions, cos_sin_cache
+
+
 # ----------------------------------------------------------------- the op
 def _unfused(cache, layer_id, loc, positions, q_nope, q_rope, k_nope, k_rope, cos_sin_cache,
              is_neox, q_out_dtype, sanitize, implementation):
@@ -167,8 +180,7 @@ def _call(fused: bool, cache, layer_id, loc, positions, q_nope, q_rope, k_nope, 
           cos_sin_cache, is_neox, q_out_dtype, sanitize, implementation):
   dispatch.check_cache(cache, OP, stacked=True)
   loc = _host_int32(loc, lambda x: np.where((x >= 0) & (x < cache.config.rows), x, -1))
-  if hasattr(cos_sin_cache, "shape"):
-    positions = _host_int32(positions, lambda x: np.clip(x, 0, cos_sin_cache.shape[0] - 1))
+  positions, cos_sin_cache = host_positions(positions, cos_sin_cache)
   layer_id = dispatch.check_layer_id(cache, layer_id, OP)
   return dispatch.on_layer(_rope_set, cache, layer_id, loc, positions, q_nope, q_rope, k_nope,
                            k_rope, cos_sin_cache, is_neox=bool(is_neox),

@@ -555,6 +555,13 @@ def _check_rope_set(config, arrays, static, op):
   return dict(zip(names, values))
 
 
+def _prepare_rope_set(cache: ShardedMLAKVCache, arguments: dict) -> None:
+  """rope_set_mla_kv_buffer's host-side step (as the unsharded op's): host positions of a
+  64-bit or unsigned width clamped to the table before the jit narrows them."""
+  arguments["positions"], arguments["cos_sin_cache"] = rope_write.host_positions(
+      arguments["positions"], arguments["cos_sin_cache"])
+
+
 def _check_loc(config, arrays, static, op):
   return dict(loc=dispatch.check_loc(arrays["loc"], "loc", op))
 
@@ -566,14 +573,7 @@ def _check_pair(config, arrays, static, op):
 
 def _prepare_decode(cache: ShardedMLAKVCache, arguments: dict) -> None:
   """mla_decode's host-side checks (`jax_mla_cache.mla_decode`), on the shard geometry."""
-  sm_scale = arguments["sm_scale"]
-  if isinstance(sm_scale, jax.core.Tracer):
-    raise TypeError("mla_decode: sm_scale must be a Python float (static), got a traced value")
-  try:
-    arguments["sm_scale"] = float(sm_scale)
-  except TypeError:
-    raise TypeError(f"mla_decode: sm_scale must be a float, got {type(sm_scale).__name__}") \
-        from None
+  arguments["sm_scale"] = attention.check_sm_scale(arguments["sm_scale"], "mla_decode")
   # The geometry the page table addresses: a rank's pool (data_parallel) or the logical
   # cache (context_parallel: logical pages, lengths up to P * page_size).
   view = MLAKVCache(buffers=(), config=cache.config)
@@ -666,6 +666,7 @@ OPS: dict[str, ShardedOp] = {op.name: op for op in (
         dict(loc=SLOTS, positions=TOKENS, q_nope=TOKENS, q_rope=TOKENS, k_nope=TOKENS,
              k_rope=TOKENS, cos_sin_cache=REPLICATED),
         (CACHE, TOKENS), per_layer=True, check=_check_rope_set,
+        prepare=_prepare_rope_set,
         doc="Every shard writes its rows (as `set_mla_kv_buffer`); q_out (T, H, R+Rr) "
             "follows the token layout: split along the axis (data_parallel) or replicated "
             "(the others, where every rank computes it)."),

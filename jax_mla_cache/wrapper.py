@@ -164,6 +164,22 @@ class MLATokenToKVPool:
           + (" ..." if bad.size > 8 else "")
       )
 
+  def _check_pages(self, op: str, page_table: Any, seq_lens: Any) -> None:
+    """debug_checks of a decode call: every page a sequence's length reaches must be in
+    [0, rows // page_size) (columns past the length, e.g. -1 padding, are not read)."""
+    table = np.asarray(jax.device_get(page_table))
+    lens = np.asarray(jax.device_get(seq_lens)).reshape(-1)
+    if table.ndim != 2 or lens.shape[0] != table.shape[0]:
+      return   # (the op itself raises, naming the argument)
+    limit = self.config.rows // self.page_size
+    reached = np.arange(table.shape[1])[None, :] * self.page_size < lens[:, None]
+    bad = np.argwhere(reached & ((table < 0) | (table >= limit)))
+    if bad.size:
+      shown = ", ".join(f"page_table[{b}, {p}]={table[b, p]}" for b, p in bad[:8])
+      raise IndexError(
+          f"{op}: {len(bad)} page id(s) within the sequence lengths outside [0, {limit}): "
+          f"{shown}" + (" ..." if len(bad) > 8 else ""))
+
   def _wait(self, layer_id: int) -> None:
     if self.layer_transfer_counter is not None:
       self.layer_transfer_counter.wait_until(layer_id)
@@ -242,8 +258,7 @@ class MLATokenToKVPool:
     (out (B, s_q, H, R) q.dtype, lse (B, s_q, H) float32). See `jax_mla_cache.mla_decode`.
     """
     if self.debug_checks:
-      self._check_indices("mla_decode", "page_table", page_table,
-                          self.config.rows // self.page_size)
+      self._check_pages("mla_decode", page_table, seq_lens)
     layer_id = _layer_id(layer)
     self._wait(dispatch.check_layer_id(self.cache, layer_id, "mla_decode"))
     return attention.mla_decode(self.cache, layer_id, q, page_table, seq_lens,

@@ -502,3 +502,153 @@ def test_jitted_query_producer_is_the_arrays_values(impl, rng):
                                            implementation=impl)
   for x, y in zip(step(cache, a, b), jax.jit(step)(cache, a, b)):
     np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+# ----------------------------------------------------------------- second pass (2026-12-07c)
+# The entry points added since the first pass: the sharded fused write's positions, the
+# model steps' token slots and host indices, the decode op's static scale, the pool's
+# decode debug checks.
+def _rope_args(rng, T: int, H: int = 2):
+  f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  return (f(T, H, 64), f(T, H, 16), f(T, 1, 64), f(T, 1, 16))
+
+
+@pytest.mark.parametrize("kind", ["replicated", "data_parallel", "context_parallel"])
+def test_sharded_rope_set_clamps_wide_host_positions(kind, rng):
+  """A numpy int64 position past the table is clamped to its last row, as the unsharded
+  op does -- not truncated by the jit (2**32 + 3 was rotated as position 3)."""
+  from jax_mla_cache import rope
+  from tests.test_sharding import PLAIN, layout
+  table = rope.rope_cos_sin_cache(40, 16)
+  world = 2 if kind != "data_parallel" else len(jax.devices()[:2])
+  args = _rope_args(rng, 2 * world)
+  loc = np.tile(np.array([7, 9], np.int64), world)
+  wide = np.tile(np.array([2**32 + 3, 5], np.int64), world)
+  clamped = np.tile(np.array([39, 5], np.int32), world)
+  cache, q = sh.rope_set_mla_kv_buffer(sh.init_sharded_cache(PLAIN, layout(kind)), 0, loc,
+                                       wide, *args, table, implementation="xla")
+  want_cache, want_q = sh.rope_set_mla_kv_buffer(sh.init_sharded_cache(PLAIN, layout(kind)),
+                                                 0, loc, clamped, *args, table,
+                                                 implementation="xla")
+  np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(want_q, np.float32))
+  for got, want in zip(sh.get_mla_kv_buffer(cache, 0, loc), sh.get_mla_kv_buffer(want_cache, 0, loc)):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_rope_set_takes_a_list_table(rng):
+  from jax_mla_cache import rope
+  table = rope.rope_cos_sin_cache(40, 16)
+  args = _rope_args(rng, 2)
+  loc, pos = np.array([3, 4]), np.array([1, 2**32 + 1], np.int64)
+  got = mc.rope_set_mla_kv_buffer(mc.init_cache(mc.SMALL.replace(size=120, page_size=8,
+                                                                 kv_lora_rank=64,
+                                                                 qk_rope_head_dim=16)),
+                                  0, loc, pos, *args, table.tolist(), implementation="xla")[1]
+  want = mc.rope_set_mla_kv_buffer(mc.init_cache(mc.SMALL.replace(size=120, page_size=8,
+                                                                  kv_lora_rank=64,
+                                                                  qk_rope_head_dim=16)),
+                                   0, loc, np.array([1, 39], np.int32), *args, table,
+                                   implementation="xla")[1]
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_token_slots_never_wrap():
+  """Model write slots: a negative position, a position past the table, a page id outside
+  the cache or one whose rows overflow int32 map to -1 (skipped), never onto a real row
+  (page 2**28 + 3 x 16 wrapped to row 48; position -1 wrapped to the table's last page)."""
+  from jax_mla_cache.models.mla_demo import token_slots
+  table = jnp.array([[5, 2**28 + 3, 9], [2**31 - 1, -1, 20]], jnp.int32)
+  positions = jnp.array([[0, 17, 40, 48, -1, -49], [3, 16, 33, 40, -16, 2**31 - 1]], jnp.int32)
+  want_cached = [[80, -1, 152, -1, -1, -1], [-1, -1, -1, -1, -1, -1]]
+  np.testing.assert_array_equal(token_slots(table, positions, 16, n_pages=16), want_cached)
+  want_any = [[80, -1, 152, -1, -1, -1], [-1, -1, 321, 328, -1, -1]]
+  np.testing.assert_array_equal(token_slots(table, positions, 16), want_any)
+
+
+def _demo_model():
+  from jax_mla_cache.models import mla_demo
+  cache_cfg = mc.MLACacheConfig(size=256, page_size=16, kv_lora_rank=128, qk_rope_head_dim=64,
+                                layer_num=1)
+  cfg = mla_demo.MLADemoConfig(cache=cache_cfg, hidden_size=64, num_heads=2,
+                               qk_nope_head_dim=32, v_head_dim=32, mlp_size=64, vocab_size=32)
+  return mla_demo, cache_cfg, mla_demo.init_params(cfg, seed=0)
+
+
+def _rows_written(cache_cfg, step) -> list[int]:
+  cache = mc.init_cache(cache_cfg)
+  before = np.asarray(cache.layer(0)[0], np.float32)
+  after = np.asarray(step(cache).layer(0)[0], np.float32)
+  return np.flatnonzero((before != after).any(axis=(1, 2))).tolist()
+
+
+@pytest.mark.parametrize("case", ["int64_page", "int64_position", "huge_page", "negative"])
+def test_model_decode_step_writes_no_wrapped_row(case):
+  """mla_demo.decode with hostile host indices writes nothing (its row does not exist),
+  where it used to write row 48 (page 2**32 + 3 narrowed by the jit, or 2**28 + 3 x 16
+  overflowing int32) or row 85 / 127 (position 2**32 + 5 narrowed; -1 wrapping)."""
+  mla_demo, cache_cfg, params = _demo_model()
+  table = {"int64_page": np.array([[2**32 + 3, 4]], np.int64),
+           "huge_page": np.array([[2**28 + 3, 4]], np.int32)}.get(
+               case, np.array([[5, 6, 7]], np.int32))
+  pos = {"int64_position": np.array([2**32 + 5], np.int64),
+         "negative": np.array([-1], np.int32)}.get(case, np.array([0], np.int32))
+  written = _rows_written(cache_cfg, lambda cache: mla_demo.decode(
+      params, cache, jnp.array([1]), pos, table, implementation="xla")[1])
+  assert written == []
+  # the same step with a good page id writes exactly its row
+  good = _rows_written(cache_cfg, lambda cache: mla_demo.decode(
+      params, cache, jnp.array([1]), np.array([3]), np.array([[5, 6]]),
+      implementation="xla")[1])
+  assert good == [5 * 16 + 3]
+
+
+def test_model_prefill_with_no_tokens_reads_no_wrapped_position():
+  """A prompt length of 0 gives the logits at position 0 (clamped), not at the last padded
+  position (lengths - 1 = -1 wrapped): they do not depend on the tokens after position 0.
+  Nothing but the padding row is written."""
+  mla_demo, cache_cfg, params = _demo_model()
+  table = np.array([[5]], np.int32)
+  results = [mla_demo.prefill(params, mc.init_cache(cache_cfg), jnp.array([tokens], jnp.int32),
+                              np.array([0]), table, implementation="xla")
+             for tokens in ([3, 4, 5, 6], [3, 9, 10, 11])]
+  (logits_a, cache), (logits_b, _) = results
+  np.testing.assert_array_equal(np.asarray(logits_a), np.asarray(logits_b))
+  rows = np.asarray(cache.layer(0)[0], np.float32)
+  assert set(np.flatnonzero(rows.any(axis=(1, 2))).tolist()) <= {0}
+
+
+@pytest.mark.parametrize("sm_scale,error", [("abc", TypeError), ([0.1], TypeError),
+                                            (np.array([0.1, 0.2]), TypeError),
+                                            (float("nan"), ValueError),
+                                            (float("inf"), ValueError)])
+def test_decode_sm_scale_errors_name_it(sm_scale, error):
+  cache = mc.init_cache(mc.SMALL)
+  q = jnp.ones((1, 1, 2, mc.SMALL.kv_cache_dim), jnp.bfloat16)
+  with pytest.raises(error, match="sm_scale"):
+    mc.mla_decode(cache, 0, q, np.ones((1, 2), np.int32), np.ones(1, np.int32),
+                  sm_scale=sm_scale, implementation="xla")
+
+
+@pytest.mark.parametrize("layer_id", [True, np.bool_(False)])
+def test_bool_layer_id_is_refused(layer_id):
+  cache = mc.init_cache(mc.SMALL)
+  with pytest.raises(TypeError, match="layer_id must be an int, got a bool"):
+    mc.get_mla_kv_buffer(cache, layer_id, np.array([1]), implementation="xla")
+
+
+def test_pool_decode_debug_checks_name_the_page():
+  """debug_checks reads only the pages the lengths reach (-1 padding past a length is the
+  documented way to pad a page table) and names a bad one as page_table[b, p]."""
+  pool = mc.MLATokenToKVPool(size=256, model_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
+                             quant_method=None, kv_lora_rank=128, qk_rope_head_dim=64,
+                             layer_num=1, page_size=16, implementation="xla",
+                             debug_checks=True)
+  q = jnp.ones((2, 1, 2, 192), jnp.bfloat16)
+  table = np.array([[1, 2, -1], [3, -1, -1]], np.int32)
+  out, lse = pool.mla_decode(0, q, table, np.array([20, 16]), sm_scale=0.1)
+  assert out.shape == (2, 1, 2, 128) and np.isfinite(np.asarray(lse)).all()
+  with pytest.raises(IndexError, match=r"page_table\[1, 1\]=-1"):
+    pool.mla_decode(0, q, table, np.array([20, 17]), sm_scale=0.1)
+  with pytest.raises(IndexError, match=r"page_table\[0, 0\]=99"):
+    pool.mla_decode(0, q, np.array([[99, 2, -1], [3, -1, -1]]), np.array([1, 1]),
+                    sm_scale=0.1)

@@ -631,6 +631,7 @@ def _check_cache(params: DeepseekParams, cache: MLAKVCache, op: str) -> None:
                      f"{want} for this model, got {got}")
 
 
+@dispatch.host_index_arguments("lengths", "page_table")
 @functools.partial(jax.jit, static_argnames=("implementation", "all_logits"),
                    donate_argnames=("cache",))
 def prefill(
@@ -641,7 +642,8 @@ def prefill(
   """Run right-padded prompts, writing every prompt token's latent row (donates `cache`).
 
   Args:
-    tokens: (B, S) int prompts, right-padded; lengths: (B,) int (1 <= length <= S).
+    tokens: (B, S) int prompts, right-padded; lengths: (B,) int (1 <= length <= S;
+      others are clamped there for the logits: a length <= 0 writes only padding rows).
     page_table: (B, P) int pages (P * page_size >= S); padded tokens write to row 0.
     implementation: the cache ops' implementation.
     all_logits: return the logits of every position, not only each prompt's last.
@@ -655,7 +657,8 @@ def prefill(
   B, S = tokens.shape
   H, dr = c.num_attention_heads, c.qk_rope_head_dim
   positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-  slots = token_slots(page_table, positions, cache.config.page_size)
+  slots = token_slots(page_table, positions, cache.config.page_size,
+                      cache.config.rows // cache.config.page_size)
   write_loc = jnp.where(positions < lengths[:, None], slots, 0).reshape(B * S)
   flat_positions = positions.reshape(B * S)
   causal = jnp.tril(jnp.ones((S, S), bool))[None, None]                       # (1, 1, S, S)
@@ -681,7 +684,7 @@ def prefill(
     x = _feed_forward(layer, x, c, dtype)
   if all_logits:
     return _logits(params, x), cache
-  last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  last = jnp.take_along_axis(x, jnp.clip(lengths - 1, 0, S - 1)[:, None, None], axis=1)[:, 0]
   return _logits(params, last), cache
 
 
@@ -710,6 +713,7 @@ def _decode_layer(
   return _feed_forward(layer, x, c, dtype), cache
 
 
+@dispatch.host_index_arguments("positions", "page_table")
 @functools.partial(jax.jit, static_argnames=("implementation", "attention"),
                    donate_argnames=("cache",))
 def decode_step(
@@ -732,7 +736,8 @@ def decode_step(
   _check_cache(params, cache, "decode_step")
   _check_batch(tokens, positions, page_table, "decode_step", "positions")
   positions = positions.astype(jnp.int32)
-  write_loc = token_slots(page_table, positions[:, None], cache.config.page_size)[:, 0]
+  write_loc = token_slots(page_table, positions[:, None], cache.config.page_size,
+                          cache.config.rows // cache.config.page_size)[:, 0]
   x = params.embed[tokens].astype(F32)
   for layer_id in range(len(params.layers)):
     x, cache = _decode_layer(params, layer_id, cache, x, positions, write_loc, page_table,
@@ -756,8 +761,11 @@ def generate(
     for i = 0), step_logits (B, steps, V) float32: the logits of decode step i (after
     feeding token i), the new cache).
   """
-  tokens, lengths = jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
-  page_table = jnp.asarray(page_table, jnp.int32)
+  # Host indices narrowed without wrapping (jnp.asarray(x, int32) would wrap 2**32 + 3 to
+  # page 3): a page id or length outside int32 becomes -1 (masked, nothing written).
+  tokens = jnp.asarray(tokens, jnp.int32)
+  lengths, page_table = (jnp.asarray(dispatch.host_indices(x)).astype(jnp.int32)
+                         for x in (lengths, page_table))
   logits, cache = prefill(params, cache, tokens, lengths, page_table, implementation)
   generated, step_logits = [], []
   for i in range(steps):

@@ -243,15 +243,23 @@ def final_logits(params: MLADemoParams, x: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------- page table
-def token_slots(page_table: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
+def token_slots(page_table: jax.Array, positions: jax.Array, page_size: int,
+                n_pages: int | None = None) -> jax.Array:
   """Cache rows of tokens: page_table (B, P) int, positions (B, Q) int -> (B, Q) int32.
 
-  Positions past the page table map to -1, which the cache skips (SPEC §5).
+  A token whose row does not exist maps to -1, which the cache skips (SPEC §5): a
+  negative position, one past the page table, or a page id outside `[0, n_pages)` (the
+  cache's `rows // page_size`; None: any id whose rows fit in int32). Ids are checked
+  before the multiplication, so a large id never wraps onto a real row.
   """
+  P = page_table.shape[1]
   page_index = positions // page_size
-  in_table = page_index < page_table.shape[1]
-  pages = jnp.take_along_axis(page_table, jnp.minimum(page_index, page_table.shape[1] - 1), axis=1)
-  return jnp.where(in_table, pages * page_size + positions % page_size, -1).astype(jnp.int32)
+  in_table = (positions >= 0) & (page_index < P)
+  pages = jnp.take_along_axis(page_table, jnp.clip(page_index, 0, P - 1), axis=1)
+  limit = (2**31 - page_size) // page_size + 1 if n_pages is None else n_pages
+  real = in_table & (pages >= 0) & (pages < limit)
+  row = jnp.where(real, pages, 0).astype(jnp.int32) * page_size + positions % page_size
+  return jnp.where(real, row, -1).astype(jnp.int32)
 
 
 def make_page_table(
@@ -314,7 +322,8 @@ def forward(
   B, Q = tokens.shape
   C = page_table.shape[1] * c.cache.page_size
   context_positions = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
-  context_loc = token_slots(page_table, context_positions, c.cache.page_size).reshape(B * C)
+  context_loc = token_slots(page_table, context_positions, c.cache.page_size,
+                            c.cache.rows // c.cache.page_size).reshape(B * C)
   mask = (context_positions[:, None, :] <= positions[:, :, None])[:, None]   # (B, 1, Q, C)
 
   # The fused write's cos/sin table of the context's positions: one constant for all layers.
@@ -399,6 +408,7 @@ def _fused_write(layer, layer_id, cache, h, positions, write_loc, table, c, impl
   return cache, q_out.reshape(B, Q, -1, R + dr)
 
 
+@dispatch.host_index_arguments("lengths", "page_table")
 @functools.partial(jax.jit, static_argnames=("implementation",), donate_argnames=("cache",))
 def prefill(
     params: MLADemoParams,
@@ -412,7 +422,8 @@ def prefill(
 
   Args:
     tokens: (B, S) int prompts, right-padded.
-    lengths: (B,) int prompt lengths (1 <= length <= S).
+    lengths: (B,) int prompt lengths (1 <= length <= S; others are clamped there
+      for the logits: a length <= 0 writes only padding rows).
     page_table: (B, P) int.
   Returns:
     (logits of each prompt's last token (B, V) float32, the new cache). Padded
@@ -420,13 +431,15 @@ def prefill(
   """
   B, S = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-  slots = token_slots(page_table, positions, params.config.cache.page_size)
+  slots = token_slots(page_table, positions, params.config.cache.page_size,
+                          params.config.cache.rows // params.config.cache.page_size)
   write_loc = jnp.where(positions < lengths[:, None], slots, 0)
   logits, cache = forward(params, cache, tokens, positions, write_loc, page_table, implementation)
-  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)
+  last = jnp.take_along_axis(logits, jnp.clip(lengths - 1, 0, S - 1)[:, None, None], axis=1)
   return last[:, 0], cache
 
 
+@dispatch.host_index_arguments("positions", "page_table")
 @functools.partial(jax.jit, static_argnames=("implementation", "attention", "write"),
                    donate_argnames=("cache",))
 def decode(
@@ -451,7 +464,8 @@ def decode(
     (logits (B, V) float32, the new cache).
   """
   tokens, positions = tokens[:, None], positions[:, None]
-  write_loc = token_slots(page_table, positions, params.config.cache.page_size)
+  write_loc = token_slots(page_table, positions, params.config.cache.page_size,
+                          params.config.cache.rows // params.config.cache.page_size)
   if attention == "gather":
     write = "set"  # the fused write hands its query to mla_decode
   logits, cache = forward(params, cache, tokens, positions, write_loc, page_table, implementation,
