@@ -162,9 +162,15 @@ def _read_rows(buf: jax.Array, idx: jax.Array) -> jax.Array:
 
   float8 rows are gathered as uint8: XLA:CPU would otherwise convert the buffer to f16 for
   the gather (fused into it, so O(T), but a whole-buffer convert in the HLO all the same).
+  The buffer goes through an optimization barrier together with `idx`: in a loop body
+  that reads the buffer without writing it (a `lax.scan` over layers), XLA would hoist the
+  whole-buffer uint8 view out of the loop as a copy of the buffer on every call (CPU:
+  36 ms instead of 0.3 at 131072 rows); tied to the loop-variant indices it stays fused
+  into the gather.
   """
   if not _is_fp8(buf.dtype):
     return buf.at[idx].get(mode="fill", fill_value=0)
+  buf, idx = lax.optimization_barrier((buf, idx))
   bits = lax.bitcast_convert_type(buf, jnp.uint8)
   return lax.bitcast_convert_type(bits.at[idx].get(mode="fill", fill_value=0), buf.dtype)
 

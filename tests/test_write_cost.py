@@ -8,6 +8,7 @@ cache in this process (after a warm-up, median of several runs) and compares the
 wall-clock limit, and a generous ratio, so a loaded machine does not fail it.
 """
 
+import re
 import statistics
 import time
 
@@ -109,3 +110,30 @@ def test_fp8_writes_lower_for_cuda_without_the_host_callback():
   assert "stablehlo.scatter" in text and "xla_buffer_python" not in text
   cpu = jax.jit(step, donate_argnums=0).trace(cache).lower(lowering_platforms=("cpu",)).as_text()
   assert "xla_buffer_python_cpu_callback" in cpu
+
+
+@pytest.mark.parametrize("read", ["get", "mla_decode"])
+@pytest.mark.parametrize("config", [PLAIN_FP8, PER_TOKEN_HEAD], ids=["plain_e4m3", "per_token_head"])
+def test_fp8_reads_in_a_scan_body_do_not_copy_the_buffer(config, read):
+  """A `lax.scan` over the layers of a stacked fp8 cache whose body reads without writing:
+  XLA hoisted the reference's whole-buffer uint8 view of the fp8 plane out of the loop, a
+  copy of the whole buffer on every call (CPU: 36 ms instead of 0.3 at 2 x 65536 rows).
+  The compiled step has no fusion that produces a buffer-sized array."""
+  config = config.replace(layer_num=2)
+  q = jnp.ones((2, 1, 16, 576), jnp.bfloat16)
+
+  def body(cache, layer):
+    if read == "get":
+      nope, rope = mc.get_mla_kv_buffer(cache, layer, jnp.array([70, 71, 130], jnp.int32))
+      return cache, nope.astype(jnp.float32).sum() + rope.astype(jnp.float32).sum()
+    out, _ = mc.mla_decode(cache, layer, q, jnp.array([[1, 2], [3, 4]], jnp.int32),
+                           jnp.array([100, 70], jnp.int32), sm_scale=0.1)
+    return cache, out.astype(jnp.float32).sum()
+
+  step = jax.jit(lambda c: jax.lax.scan(body, c, jnp.arange(config.layer_num)),
+                 donate_argnums=0)
+  text = step.lower(mc.init_cache(config, stacked=True)).compile().as_text()
+  whole = [line.strip()[:160] for line in text.splitlines()
+           if re.search(rf"= \w+\[{config.layer_num * config.rows},[^=]*\b(fusion|copy)\(",
+                        line)]
+  assert not whole, whole
