@@ -18,7 +18,10 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
-  cmd = argv.pop(0) if argv and not argv[0].startswith("-") else "demo"
+  if argv[:1] in (["-h"], ["--help"]):
+    cmd = argv.pop(0)
+  else:
+    cmd = argv.pop(0) if argv and not argv[0].startswith("-") else "demo"
   if cmd in ("bench", "demo"):
     from jax_mla_cache import demo
     use_cache = "--no-compilation-cache" not in argv
@@ -34,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     run_bench = "--no-bench" not in argv
     argv = [a for a in argv if a != "--no-bench"]
     argv, deepseek_argv = demo.split_deepseek_args(argv)
+    demo.check_deepseek_args(deepseek_argv)
     demo.main(argv)
     demo.deepseek_main(deepseek_argv)
     if run_bench:
@@ -42,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
       bench.main(["--out", _bench_out()])
     return 0
   print(__doc__, file=sys.stderr)
-  return 2
+  return 0 if cmd in ("-h", "--help", "help") else 2
 
 
 def _bench_out() -> str:

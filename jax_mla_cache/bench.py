@@ -434,37 +434,83 @@ def _commit() -> str:
     return os.environ.get("GIT_COMMIT", "unknown")
 
 
+OPS = ("rows", "moves", "offload", "decode", "rope")
+IMPLS = ("pallas", "xla")
+DECODE_IMPLS = ("pallas", "pallas:registers", "pallas:narrow", "pallas:wide", "xla", "gather")
+
+
+def _positive_int(text: str) -> int:
+  """argparse type: an int >= 1."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+  return value
+
+
+def _int_list(text: str, *, empty: bool = False) -> tuple[int, ...]:
+  """argparse type: a comma list of ints >= 1 (`empty`: '' is no value)."""
+  items = [t for t in text.split(",") if t.strip()] if empty else text.split(",")
+  return tuple(_positive_int(t.strip()) for t in items)
+
+
+def _choice_list(allowed: tuple[str, ...]):
+  """argparse type: a comma list of values from `allowed` (a typo is an error, not an
+  empty benchmark that writes an empty results file)."""
+  def parse(text: str) -> tuple[str, ...]:
+    values = tuple(v.strip() for v in text.split(","))
+    unknown = [v for v in values if v not in allowed]
+    if unknown or not values:
+      raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))}; choose "
+                                       f"from {', '.join(allowed)}")
+    return values
+  return parse
+
+
+def _decode_shapes(text: str) -> tuple[tuple[int, int, int, int], ...]:
+  """argparse type: a semicolon list of B,s_q,H,context."""
+  shapes = []
+  for item in text.split(";"):
+    shape = _int_list(item)
+    if len(shape) != 4:
+      raise argparse.ArgumentTypeError(f"a decode shape is B,s_q,H,context, got {item!r}")
+    shapes.append(shape)
+  return tuple(shapes)
+
+
 def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(prog="python -m jax_mla_cache bench", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<device>.json)")
   parser.add_argument("--small", action="store_true", help="CPU-sized shapes (default off a GPU)")
-  parser.add_argument("--ops", default="rows,moves,offload,decode,rope",
+  parser.add_argument("--ops", type=_choice_list(OPS), default=OPS,
                       help="comma list: rows,moves,offload,decode,rope")
-  parser.add_argument("--decode-impls", default=None,
+  parser.add_argument("--decode-impls", type=_choice_list(DECODE_IMPLS), default=None,
                       help="comma list for mla_decode: pallas, pallas:<path> (one kernel path), xla, "
                            "gather (default pallas,pallas:narrow,pallas:wide,gather on a GPU; xla off it)")
-  parser.add_argument("--decode-shapes", default=None,
+  parser.add_argument("--decode-shapes", type=_decode_shapes, default=None,
                       help="semicolon list of B,s_q,H,context overriding the decode shapes")
-  parser.add_argument("--impls", default=None,
+  parser.add_argument("--impls", type=_choice_list(IMPLS), default=None,
                       help="comma list (default pallas,xla on a GPU; xla elsewhere: interpret-mode "
                            "timings mean nothing)")
-  parser.add_argument("--iters", type=int, default=None)
+  parser.add_argument("--iters", type=_positive_int, default=None)
   parser.add_argument("--no-plot", action="store_true")
   parser.add_argument("--breakdown", action="store_true", help="print device time per kernel")
-  parser.add_argument("--tokens", default=None, help="comma list overriding T for set/get")
-  parser.add_argument("--move-tokens", default=None, help="comma list overriding T for moves")
-  parser.add_argument("--rope-tokens", default=None, help="comma list overriding T for rope_set")
-  parser.add_argument("--heads", default=None, help="comma list overriding H for rope_set")
-  parser.add_argument("--pages", default=None,
+  parser.add_argument("--tokens", type=_int_list, default=None, help="comma list overriding T for set/get")
+  parser.add_argument("--move-tokens", type=_int_list, default=None, help="comma list overriding T for moves")
+  parser.add_argument("--rope-tokens", type=_int_list, default=None, help="comma list overriding T for rope_set")
+  parser.add_argument("--heads", type=_int_list, default=None, help="comma list overriding H for rope_set")
+  parser.add_argument("--pages", type=lambda t: _int_list(t, empty=True), default=None,
                       help="comma list overriding the page counts of move_pages ('' for none)")
   args = parser.parse_args(argv)
 
   device = jax.devices()[0]
   on_gpu = device.platform == "gpu"
   small = args.small or not on_gpu
-  impls = tuple((args.impls or ("pallas,xla" if on_gpu else "xla")).split(","))
-  ops = set(args.ops.split(","))
+  impls = args.impls or (("pallas", "xla") if on_gpu else ("xla",))
+  ops = set(args.ops)
   iters = args.iters or (20 if on_gpu else 2)
   if small:
     cfg = mc.SMALL.replace(size=4096 - 16, layer_num=4)
@@ -475,15 +521,15 @@ def main(argv: list[str] | None = None) -> dict:
     set_tokens, move_tokens, page_counts, off_tokens = SET_TOKENS, MOVE_TOKENS, PAGE_COUNTS, OFFLOAD_TOKENS
     rope_tokens, rope_heads, rope_positions = ROPE_TOKENS, ROPE_HEADS, ROPE_MAX_POSITION
   if args.tokens:
-    set_tokens = tuple(int(t) for t in args.tokens.split(","))
+    set_tokens = args.tokens
   if args.move_tokens:
-    move_tokens = tuple(int(t) for t in args.move_tokens.split(","))
+    move_tokens = args.move_tokens
   if args.rope_tokens:
-    rope_tokens = tuple(int(t) for t in args.rope_tokens.split(","))
+    rope_tokens = args.rope_tokens
   if args.heads:
-    rope_heads = tuple(int(h) for h in args.heads.split(","))
+    rope_heads = args.heads
   if args.pages is not None:
-    page_counts = tuple(int(p) for p in args.pages.split(",") if p)
+    page_counts = args.pages
   records: list[Record] = []
   methods: set[str] = set()
 
@@ -522,11 +568,11 @@ def main(argv: list[str] | None = None) -> dict:
   if "rows" in ops:
     section("rows", bench_rows, row_cfg, set_tokens, impls, iters, report)
   if "decode" in ops:
-    decode_impls = tuple((args.decode_impls or ("pallas,pallas:narrow,pallas:wide,gather" if on_gpu
-                                                else "xla")).split(","))
+    decode_impls = args.decode_impls or (
+        ("pallas", "pallas:narrow", "pallas:wide", "gather") if on_gpu else ("xla",))
     shapes = SMALL_DECODE_SHAPES if small else DECODE_SHAPES
     if args.decode_shapes:
-      shapes = tuple(tuple(int(v) for v in s.split(",")) for s in args.decode_shapes.split(";"))
+      shapes = args.decode_shapes
     section("decode", bench_decode, cfg.replace(layer_num=1), shapes, decode_impls, iters,
             report)
   if "moves" in ops:

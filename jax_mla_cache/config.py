@@ -70,6 +70,10 @@ class MLACacheConfig:
       if value < 0 or (value == 0 and name != "size"):
         raise ValueError(f"{name} must be positive, got {value}")
       object.__setattr__(self, name, int(value))
+    if self.size + self.page_size >= 2**31:
+      raise ValueError(
+          f"size + page_size (the rows of a layer) must be below 2**31, got {self.size} + "
+          f"{self.page_size}: slots and page ids are int32 on the device")
     object.__setattr__(self, "dtype", _as_dtype(self.dtype, "dtype"))
     object.__setattr__(self, "model_dtype", _as_dtype(self.model_dtype, "model_dtype"))
     if self.quant_method not in QUANT_METHODS:

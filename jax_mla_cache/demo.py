@@ -57,7 +57,11 @@ def use_compilation_cache(path: str | None = None) -> str:
 def _parse(argv: list[str], on_gpu: bool) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
       prog="python -m jax_mla_cache demo", description=__doc__,
-      formatter_class=argparse.RawDescriptionHelpFormatter)
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog="the demo's other sections (python -m jax_mla_cache demo ...):\n"
+             "  --no-bench            skip the kernel benchmark table at the end\n"
+             "  --no-compilation-cache  no persistent compilation cache\n\n"
+             "DeepSeek-V3 section " + deepseek_help(on_gpu))
   parser.add_argument("--layers", type=int, default=61 if on_gpu else 2)
   parser.add_argument("--steps", type=int, default=64 if on_gpu else 16, help="decode steps")
   parser.add_argument("--batch", type=int, default=32 if on_gpu else 4)
@@ -339,8 +343,9 @@ def split_deepseek_args(argv: list[str]) -> tuple[list[str], list[str]]:
   return rest, mine
 
 
-def _parse_deepseek(argv: list[str], on_gpu: bool) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog="python -m jax_mla_cache demo (DeepSeek-V3 section)")
+def _deepseek_parser(on_gpu: bool) -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="python -m jax_mla_cache demo (DeepSeek-V3 section)",
+                                   add_help=False)
   parser.add_argument("--deepseek", action=argparse.BooleanOptionalAction, default=True,
                       help="run this section")
   parser.add_argument("--deepseek-checkpoint", default=DEEPSEEK_FIXTURE,
@@ -358,7 +363,33 @@ def _parse_deepseek(argv: list[str], on_gpu: bool) -> argparse.Namespace:
                       help="decode steps (default: the golden file's, or 32)")
   parser.add_argument("--deepseek-iters", type=int, default=20 if on_gpu else 5,
                       help="calls per timing of the step-share breakdown")
-  return parser.parse_args(argv)
+  return parser
+
+
+def _parse_deepseek(argv: list[str], on_gpu: bool) -> argparse.Namespace:
+  """The `--deepseek*` options, checked (a bad value or a checkpoint directory given but
+  missing is an error before anything runs; the default fixture may be absent)."""
+  parser = _deepseek_parser(on_gpu)
+  args = parser.parse_args(argv)
+  for name in ("layers", "batch", "prompt_len", "steps", "iters"):
+    value = getattr(args, f"deepseek_{name}")
+    if value is not None and value < 1:
+      parser.error(f"--deepseek-{name.replace('_', '-')} must be >= 1, got {value}")
+  path = args.deepseek_checkpoint
+  if path != DEEPSEEK_FIXTURE and not os.path.isfile(os.path.join(path, "config.json")):
+    parser.error(f"--deepseek-checkpoint: no config.json in {path}")
+  return args
+
+
+def check_deepseek_args(argv: list[str]) -> None:
+  """Parse the `--deepseek*` options now (exits with argparse's message on a bad one), so
+  that a typo is reported before the main demo runs, not after."""
+  _parse_deepseek(list(argv), jax.devices()[0].platform == "gpu")
+
+
+def deepseek_help(on_gpu: bool) -> str:
+  """The `--deepseek*` options' help, for the demo's --help."""
+  return _deepseek_parser(on_gpu).format_help().split("\n", 2)[-1]
 
 
 def decode_step_breakdown(

@@ -72,9 +72,21 @@ def _table(inv_freq: np.ndarray, max_position: int, scale: float = 1.0) -> np.nd
   return np.concatenate([cos, sin], axis=-1)
 
 
+def _positive(value: Any, name: str, *, above: float = 0.0) -> float:
+  """`value` as a finite float > `above`, or a ValueError naming it."""
+  try:
+    x = float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f"{name} must be a number, got {value!r}") from None
+  if isinstance(value, bool) or not math.isfinite(x) or x <= above:
+    raise ValueError(f"{name} must be a finite number > {above:g}, got {value!r}")
+  return x
+
+
 def rope_inv_freq(rotary_dim: int, base: float = 10000.0) -> np.ndarray:
   """(rotary_dim / 2,) float32: `base ** (-2i / rotary_dim)`."""
   rotary_dim = _check_rotary_dim(rotary_dim)
+  base = _positive(base, "base (rope_theta)", above=1.0)
   exponent = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)
   return (np.float32(1.0) / (np.float32(base) ** exponent)).astype(np.float32)
 
@@ -101,6 +113,12 @@ def yarn_inv_freq(
 ) -> np.ndarray:
   """(rotary_dim / 2,) float32 YaRN frequencies (DeepSeek-V2/V3, vLLM and Hugging Face)."""
   rotary_dim = _check_rotary_dim(rotary_dim)
+  base = _positive(base, "base (rope_theta)", above=1.0)
+  factor = _positive(factor, "rope_scaling factor")
+  original_max_position_embeddings = _positive(
+      original_max_position_embeddings, "rope_scaling original_max_position_embeddings")
+  beta_fast = _positive(beta_fast, "rope_scaling beta_fast")
+  beta_slow = _positive(beta_slow, "rope_scaling beta_slow")
   pos_freqs = np.float32(base) ** (np.arange(0, rotary_dim, 2, dtype=np.float32)
                                    / np.float32(rotary_dim))
   extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
@@ -140,6 +158,10 @@ def deepseek_softmax_scale(qk_head_dim: int, rope_scaling: Mapping[str, Any] | N
 
   `qk_head_dim = qk_nope_head_dim + qk_rope_head_dim` (192 for DeepSeek-V3).
   """
+  if isinstance(qk_head_dim, bool) or not isinstance(qk_head_dim, (int, np.integer)) \
+      or qk_head_dim <= 0:
+    raise ValueError(f"deepseek_softmax_scale: qk_head_dim must be a positive int, got "
+                     f"{qk_head_dim!r}")
   scale = qk_head_dim ** -0.5
   if rope_scaling:
     mscale_all_dim = float(rope_scaling.get("mscale_all_dim", 0) or 0)
@@ -159,7 +181,12 @@ def cos_sin_cache_from_hf_config(config: Mapping[str, Any], max_position: int | 
   """
   rotary_dim = int(config["qk_rope_head_dim"])
   base = float(config.get("rope_theta", 10000.0))
-  max_position = int(max_position or config["max_position_embeddings"])
+  if max_position is None:
+    max_position = config["max_position_embeddings"]
+  if isinstance(max_position, bool) or not isinstance(max_position, (int, np.integer)) \
+      or max_position <= 0:
+    raise ValueError(f"max_position must be None or a positive int, got {max_position!r}")
+  max_position = int(max_position)
   scaling = config.get("rope_scaling")
   if not scaling:
     return rope_cos_sin_cache(max_position, rotary_dim, base)

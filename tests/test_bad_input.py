@@ -68,6 +68,7 @@ def test_traced_layer_id_is_rejected(cache):
     (dict(layer_num=0), ValueError, "layer_num must be positive"),
     (dict(page_size=2.5), TypeError, "page_size must be an int"),
     (dict(dtype="not-a-dtype"), TypeError, "dtype must be a JAX dtype"),
+    (dict(size=2**31 - 8), ValueError, "must be below 2\\*\\*31"),
 ])
 def test_config_errors(kwargs, exc, match):
   with pytest.raises(exc, match=match):
@@ -79,3 +80,49 @@ def test_config_is_hashable_and_static():
   assert mc.SMALL.rows == 208 and mc.SMALL.kv_cache_dim == 576
   treedef = jax.tree.structure(mc.init_cache(mc.SMALL))
   assert treedef.num_leaves == 2
+
+
+# ----------------------------------------------------------------- command line
+@pytest.mark.parametrize("argv, message", [
+    (["--ops", "row,decod"], "unknown 'row', 'decod'"),      # measured nothing, exit 0,
+    (["--impls", "pallas,foo"], "unknown 'foo'"),            # and wrote an empty results file
+    (["--decode-impls", "pallas:convert"], "unknown 'pallas:convert'"),
+    (["--iters", "-1"], "must be >= 1"),                     # printed negative us and GB/s
+    (["--iters", "0"], "must be >= 1"),                      # silently the default
+    (["--tokens", "x"], "not an integer"),                   # a traceback
+    (["--tokens", "64,-1"], "must be >= 1"),
+    (["--decode-shapes", "64,1,16"], "B,s_q,H,context"),
+])
+def test_bench_flags_are_checked_before_anything_runs(argv, message, capsys):
+  from jax_mla_cache import bench
+  with pytest.raises(SystemExit) as exit_info:
+    bench.main(argv + ["--out", "/nonexistent/never-written.json"])
+  assert exit_info.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--deepseek-quant", "bogus"], "invalid choice: 'bogus'"),  # after the whole main demo
+    (["--deepseek-checkpoint", "/no/such/dir"], "no config.json in /no/such/dir"),  # skipped
+    (["--deepseek-iters", "0"], "--deepseek-iters must be >= 1"),  # ZeroDivisionError
+    (["--deepseek-iters", "-1"], "--deepseek-iters must be >= 1"),  # negative timings
+    (["--deepseek-steps", "0"], "--deepseek-steps must be >= 1"),  # silently the default
+])
+def test_demo_deepseek_flags_are_checked_first(argv, message, capsys):
+  from jax_mla_cache import demo
+  with pytest.raises(SystemExit) as exit_info:
+    demo.check_deepseek_args(argv)
+  assert exit_info.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_command_line_help_lists_every_option(capsys):
+  from jax_mla_cache import __main__ as cli
+  assert cli.main(["--help"]) == 0
+  assert "demo" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    cli.main(["demo", "--help", "--no-compilation-cache"])
+  text = capsys.readouterr().out
+  for option in ("--deepseek-checkpoint", "--deepseek-iters", "--no-bench",
+                 "--no-compilation-cache", "--scan"):
+    assert option in text, option

@@ -336,7 +336,7 @@ def _write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
   """A safetensors file of numpy arrays, fp8 included (the format: 8-byte header length,
   JSON header, data)."""
   names = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
-           np.dtype(ml_dtypes.bfloat16): "BF16"}
+           np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.int8): "I8"}
   header, blobs, offset = {}, [], 0
   for name, array in tensors.items():
     data = np.ascontiguousarray(array).tobytes()
@@ -435,6 +435,79 @@ def test_bad_input_names_the_argument(tmp_path):
   with pytest.raises(ValueError, match="attention must be one of"):
     ds.decode_step(p, mc.init_cache(cfg), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32),
                    jnp.ones((2, 1), jnp.int32), attention="flash")
+
+
+def _edited_checkpoint(tmp_path, edit_config=None, edit_tensors=None) -> str:
+  """The V3 fixture copied to `tmp_path` with its config.json and/or tensors edited."""
+  from safetensors.numpy import load_file
+  with open(os.path.join(V3, "config.json")) as f:
+    config = json.load(f)
+  if edit_config:
+    edit_config(config)
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump(config, f)
+  if edit_tensors:
+    tensors = load_file(os.path.join(V3, "model.safetensors"))
+    edit_tensors(tensors)
+    _write_safetensors(str(tmp_path / "model.safetensors"), tensors)
+  else:
+    shutil.copy(os.path.join(V3, "model.safetensors"), tmp_path / "model.safetensors")
+  return str(tmp_path)
+
+
+def _int8_o_proj(tensors):
+  name = "model.layers.0.self_attn.o_proj.weight"
+  tensors[name] = np.clip(np.round(tensors[name] * 1000), -127, 127).astype(np.int8)
+
+
+CHECKPOINT_REFUSALS = {
+    # (config edit, tensor edit, load kwargs, error, message): each loaded silently before
+    # (second hostile-input pass, 2026-12-07c), with wrong weights, tables or logits.
+    "rope_interleave_false": (lambda c: c.update(rope_interleave=False), None, {},
+                              NotImplementedError, "rope_interleave=False"),
+    "other_quantization": (lambda c: c.update(quantization_config=dict(
+        quant_method="compressed-tensors")), None, {}, NotImplementedError,
+        "quant_method='compressed-tensors'"),
+    "int8_weights": (None, _int8_o_proj, {}, NotImplementedError, "o_proj.weight is int8"),
+    "int8_dtype": (None, None, dict(dtype=jnp.int8), TypeError, "dtype must be float32"),
+    "max_position_0": (None, None, dict(max_position=0), ValueError, "max_position"),
+    "missing_key": (lambda c: c.pop("kv_lora_rank"), None, {}, ValueError,
+                    "missing kv_lora_rank"),
+    "widths_do_not_match": (lambda c: c.update(kv_lora_rank=2 * c["kv_lora_rank"]), None, {},
+                            ValueError, "kv_b_proj.weight has .* does not match"),
+}
+
+
+@pytest.mark.parametrize("case", list(CHECKPOINT_REFUSALS))
+def test_checkpoints_the_loader_cannot_read_are_refused(tmp_path, case):
+  edit_config, edit_tensors, kwargs, error, message = CHECKPOINT_REFUSALS[case]
+  path = _edited_checkpoint(tmp_path, edit_config, edit_tensors)
+  with pytest.raises(error, match=message):
+    ds.load_checkpoint(path, **{"max_position": 64, **kwargs})
+
+
+def test_rope_parameters_are_checked():
+  from jax_mla_cache import rope
+  hf = dict(qk_rope_head_dim=8, rope_theta=10000.0, max_position_embeddings=64,
+            rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=16,
+                              beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0))
+  assert rope.cos_sin_cache_from_hf_config(hf).shape == (64, 8)
+  for edit, message in ((dict(rope_theta=0.0), "rope_theta"),
+                        (dict(rope_theta=float("nan")), "rope_theta"),
+                        (dict(factor=0), "factor"), (dict(factor=-2), "factor"),
+                        (dict(original_max_position_embeddings=0), "original_max_position"),
+                        (dict(beta_fast=0), "beta_fast")):
+    bad = dict(hf, rope_scaling=dict(hf["rope_scaling"]))
+    for key, value in edit.items():
+      (bad if key == "rope_theta" else bad["rope_scaling"])[key] = value
+    with pytest.raises(ValueError, match=message):
+      rope.cos_sin_cache_from_hf_config(bad)
+  for max_position in (0, -1, 2.7, True):
+    with pytest.raises(ValueError, match="max_position"):
+      rope.cos_sin_cache_from_hf_config(hf, max_position)
+  for dim in (0, -4, 192.5):
+    with pytest.raises(ValueError, match="qk_head_dim"):
+      rope.deepseek_softmax_scale(dim, None)
 
 
 # ----------------------------------------------------------------- GPU

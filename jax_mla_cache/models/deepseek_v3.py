@@ -97,6 +97,12 @@ ATTENTIONS = ("gather", "mla_decode")
 
 
 # ----------------------------------------------------------------- config
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+                  "qk_rope_head_dim", "v_head_dim", "max_position_embeddings")
+WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 @dataclasses.dataclass(frozen=True)
 class DeepseekConfig:
   """The shapes and routing settings of a DeepSeek-V2/V3 checkpoint (its config.json).
@@ -142,7 +148,7 @@ class DeepseekConfig:
       raise ValueError(f"config: model_type must be 'deepseek_v3' or 'deepseek_v2', got "
                        f"{model_type!r}")
     for key, supported in (("attention_bias", False), ("mlp_bias", False),
-                           ("hidden_act", "silu")):
+                           ("hidden_act", "silu"), ("rope_interleave", True)):
       if config.get(key, supported) != supported:
         raise NotImplementedError(f"config: {key}={config[key]!r} (supported: {supported!r})")
     rope = dict(config.get("rope_scaling") or {})
@@ -151,6 +157,10 @@ class DeepseekConfig:
     if not rope and params.get("rope_type", params.get("type", "default")) != "default":
       rope = {k: v for k, v in params.items() if k != "rope_theta"}
     v3 = model_type == "deepseek_v3"
+    missing = [key for key in _REQUIRED_KEYS if config.get(key) is None]
+    if missing:
+      raise ValueError(f"config: missing {', '.join(missing)} (a DeepSeek-V2/V3 config.json "
+                       f"has {', '.join(_REQUIRED_KEYS)})")
     return cls(
         model_type=model_type,
         vocab_size=int(config["vocab_size"]),
@@ -337,6 +347,16 @@ def dequantize_fp8_block(weight: np.ndarray, scale_inv: np.ndarray,
   return weight.astype(np.float32) * scale[:out_dim, :in_dim]
 
 
+def _reshaped(w: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
+  """`w.reshape(shape)`, or a ValueError naming the tensor (a config that does not match
+  the checkpoint's weights)."""
+  if w.size != math.prod(shape):
+    raise ValueError(f"load_checkpoint: {name} has {w.size} values (shape "
+                     f"{tuple(w.shape)}), config.json's widths need {shape}: the config does "
+                     "not match the weights")
+  return w.reshape(shape)
+
+
 def load_checkpoint(
     path: str, *, dtype: Any = jnp.float32, max_position: int | None = None,
     device: Any = None,
@@ -353,13 +373,31 @@ def load_checkpoint(
   Returns:
     The params (module docstring for the layout).
   """
-  with open(os.path.join(path, "config.json")) as f:
-    hf_config = json.load(f)
+  dtype = jnp.dtype(dtype)
+  if dtype not in WEIGHT_DTYPES:
+    raise TypeError(f"load_checkpoint: dtype must be float32, bfloat16 or float16, got {dtype}")
+  if max_position is not None and (isinstance(max_position, bool) or not isinstance(
+      max_position, (int, np.integer)) or max_position <= 0):
+    raise ValueError(f"load_checkpoint: max_position must be None or a positive int, got "
+                     f"{max_position!r}")
+  config_path = os.path.join(path, "config.json")
+  with open(config_path) as f:
+    try:
+      hf_config = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"load_checkpoint: {config_path} is not valid JSON: {e}") from None
+  if not isinstance(hf_config, dict):
+    raise ValueError(f"load_checkpoint: {config_path} must hold a JSON object, got "
+                     f"{type(hf_config).__name__}")
   config = DeepseekConfig.from_hf(hf_config)
   quantization = hf_config.get("quantization_config") or {}
+  scheme = quantization.get("quant_method")
+  if scheme not in (None, "fp8"):
+    raise NotImplementedError(
+        f"load_checkpoint: quantization_config.quant_method={scheme!r}: only DeepSeek's "
+        "block-scaled 'fp8' checkpoints (or unquantized ones) are supported")
   block_size = tuple(quantization.get("weight_block_size") or (128, 128))
   files = SafetensorsDirectory(path)
-  dtype = jnp.dtype(dtype)
   put = functools.partial(jax.device_put, device=device)
 
   def raw(name: str) -> np.ndarray:
@@ -371,12 +409,15 @@ def load_checkpoint(
         raise NotImplementedError(f"load_checkpoint: {name} is {w.dtype} without a "
                                   f"{scale_name}: unknown FP8 scheme")
       return dequantize_fp8_block(w, files.get(scale_name), block_size)
+    if not np.issubdtype(w.dtype, np.floating) and w.dtype != ml_dtypes.bfloat16:
+      raise NotImplementedError(f"load_checkpoint: {name} is {w.dtype}: only float weights "
+                                "and DeepSeek's block-scaled fp8 ones are supported")
     return w.astype(np.float32)
 
   def linear(name: str, shape: tuple[int, ...] | None = None, keep=None) -> jax.Array:
     """A torch Linear weight (out, in) as (in, out) [reshaped to `shape`] in `dtype`."""
     w = raw(name).T
-    return put(jnp.asarray(w.reshape(shape) if shape else w, keep or dtype))
+    return put(jnp.asarray(_reshaped(w, shape, name) if shape else w, keep or dtype))
 
   def f32(name: str) -> jax.Array:
     return put(jnp.asarray(raw(name), F32))
@@ -404,7 +445,8 @@ def load_checkpoint(
   layers = []
   for i in range(c.num_hidden_layers):
     p = f"model.layers.{i}"
-    kv_b = raw(f"{p}.self_attn.kv_b_proj.weight").reshape(H, dn + dv, R)
+    kv_b = _reshaped(raw(f"{p}.self_attn.kv_b_proj.weight"), (H, dn + dv, R),
+                     f"{p}.self_attn.kv_b_proj.weight")
     if c.q_lora_rank is None:
       q = dict(q_proj=linear(f"{p}.self_attn.q_proj.weight", (c.hidden_size, H, dn + dr)),
                q_a_proj=None, q_a_norm=None, q_b_proj=None)
