@@ -219,6 +219,15 @@ def init_cache(
       stacked cache: `jax_mla_cache.sharding.init_sharded_cache(config, layout,
       stacked=True)`).
   """
+  if not isinstance(config, MLACacheConfig):
+    raise TypeError(f"init_cache: config must be an MLACacheConfig, got "
+                    f"{type(config).__name__}")
+  if device is not None and not isinstance(device, jax.Device):
+    raise TypeError(f"init_cache: device must be a jax.Device (e.g. jax.devices()[0]) or "
+                    f"None, got {type(device).__name__} {device!r}")
+  if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
+    raise TypeError(f"init_cache: sharding must be a jax.sharding.Sharding or None, got "
+                    f"{type(sharding).__name__} {sharding!r}")
   if device is not None and sharding is not None:
     raise ValueError("init_cache: pass device or sharding, not both")
   if stacked and sharding is not None:

@@ -46,7 +46,12 @@ def _resolve_device(device: Any, rank: int = 0):
     raise ValueError(
         f"device {device!r}: no {platform} devices (have {[d.platform for d in jax.devices()]})"
     ) from e
-  return devices[int(index) if index else min(rank, len(devices) - 1)]
+  if not index:
+    return devices[min(rank, len(devices) - 1)]
+  if not index.isdigit() or int(index) >= len(devices):
+    raise ValueError(f"device {device!r}: the index must be one of 0..{len(devices) - 1} "
+                     f"({len(devices)} {platform} device(s))")
+  return devices[int(index)]
 
 
 class MLATokenToKVPool:
@@ -112,7 +117,11 @@ class MLATokenToKVPool:
     self.implementation = implementation  # None keeps the fall-through to XLA per call
     self.debug_checks = debug_checks
     self.sanitize = bool(sanitize)
-    self.offload_chunk_page_num = offload_chunk_page_num
+    if isinstance(offload_chunk_page_num, bool) or not isinstance(
+        offload_chunk_page_num, (int, np.integer)) or offload_chunk_page_num < 1:
+      raise ValueError(f"offload_chunk_page_num must be a positive int, got "
+                       f"{offload_chunk_page_num!r}")
+    self.offload_chunk_page_num = int(offload_chunk_page_num)
     self.layer_transfer_counter: LayerTransferCounter | None = None
     self.device = _resolve_device(device, rank)
     if self.device is not None and sharding is not None:

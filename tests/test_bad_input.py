@@ -126,3 +126,21 @@ def test_command_line_help_lists_every_option(capsys):
   for option in ("--deepseek-checkpoint", "--deepseek-iters", "--no-bench",
                  "--no-compilation-cache", "--scan"):
     assert option in text, option
+
+
+def test_placement_and_pool_arguments_name_themselves():
+  """Errors that named nothing ("'str' object has no attribute 'client'", IndexError, a
+  later chunk_size error) now name the argument."""
+  with pytest.raises(TypeError, match="init_cache: device must be a jax.Device"):
+    mc.init_cache(mc.SMALL, device="cpu")
+  with pytest.raises(TypeError, match="init_cache: sharding must be"):
+    mc.init_cache(mc.SMALL, sharding="x")
+  with pytest.raises(TypeError, match="init_cache: config must be an MLACacheConfig"):
+    mc.init_cache(dict(size=64))
+  pool_args = (64, "bfloat16", "bfloat16", None, 8, 4, 1)
+  with pytest.raises(ValueError, match="the index must be one of"):
+    mc.MLATokenToKVPool(*pool_args, device=f"cpu:{len(jax.devices('cpu'))}")
+  with pytest.raises(ValueError, match="the index must be one of"):
+    mc.MLATokenToKVPool(*pool_args, device="cpu:x")
+  with pytest.raises(ValueError, match="offload_chunk_page_num must be a positive int"):
+    mc.MLATokenToKVPool(*pool_args, offload_chunk_page_num=0)
