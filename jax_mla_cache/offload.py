@@ -45,12 +45,16 @@ class HostCopy:
 
   `n <= chunk_size` (the last chunk holds the remainder). `copy[layer]` gives that
   layer's chunks like the seed's nested lists (numpy arrays for a stacked copy).
+  `origin`: the `sharding.ShardedLayout` of the cache a sharded copy came from (None: a
+  one-device cache's); its chunks are laid out for that layout only, so it loads into a
+  cache of the same layout (checked).
   """
 
   chunks: tuple[tuple[tuple[jax.Array, ...], ...], ...]
   token_count: int = dataclasses.field(metadata=dict(static=True))
   chunk_size: int = dataclasses.field(metadata=dict(static=True))
   stacked: tuple[tuple[jax.Array, ...], ...] = ()
+  origin: Any = dataclasses.field(default=None, metadata=dict(static=True))
 
   def __getitem__(self, layer_id: int):
     if self.stacked:
@@ -320,6 +324,11 @@ def load_cpu_copy(
   check_cache(cache, op, stacked=True)
   idx = check_token_indices(token_indices, "token_indices", op)
   check_host_copy(cache, host_copy, idx, op)
+  if host_copy.origin is not None:
+    raise ValueError(
+        f"{op}: this host copy came from a sharded cache ({host_copy.origin.kind} layout: "
+        "its chunks are laid out for that layout); load it with "
+        "jax_mla_cache.sharding.load_cpu_copy into a cache of the same layout")
   if idx.shape[0] == 0:
     return cache
   if isinstance(cache, StackedMLAKVCache) and not host_copy.stacked:

@@ -841,7 +841,17 @@ def sharded_op(op: ShardedOp) -> Callable:
       return dispatch.on_layer(program, target, arguments["layer_id"])
 
     if layout.kind != "pipeline":
-      return run(cache, arrays)
+      try:
+        return run(cache, arrays)
+      except ValueError as e:
+        if "incompatible devices" not in str(e):
+          raise
+        placed = {n: sorted(d.id for d in a.devices()) for n, a in arrays.items()
+                  if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)}
+        raise ValueError(
+            f"{name}: array arguments must be on the cache's mesh devices "
+            f"{sorted(int(i) for i in layout.mesh.device_ids.flat)} or uncommitted (numpy arrays, or jax "
+            f"arrays not placed with device_put); got {placed}") from None
     layer_num = cache.cache.config.layer_num
     stages = [layout.stage_of(arguments["layer_id"], layer_num)] if op.per_layer else _stages(cache)
     results = None
@@ -924,16 +934,16 @@ def get_cpu_copy(
                            memory_kind=memory_kind)
               for view in map(functools.partial(stage_view, cache), _stages(cache))]
     return offload.HostCopy(chunks=sum((c.chunks for c in copies), ()),
-                            token_count=tokens, chunk_size=chunk_size)
+                            token_count=tokens, chunk_size=chunk_size, origin=layout)
   _check_tokens(layout, tokens, "token_indices", op)
   if tokens == 0:
     return offload.HostCopy(chunks=tuple(() for _ in range(storage.config.layer_num)),
-                            token_count=0, chunk_size=chunk_size)
+                            token_count=0, chunk_size=chunk_size, origin=layout)
   if memory_kind == "auto":
     memory_kind = offload.host_memory_kind(layout.mesh.devices.flat[0])
   gather = _gather_to_host(layout, storage.config, chunk_size, memory_kind, cache.stacked)
   return offload.HostCopy(chunks=gather(storage.buffers, idx), token_count=tokens,
-                          chunk_size=chunk_size)
+                          chunk_size=chunk_size, origin=layout)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -967,13 +977,23 @@ def load_cpu_copy(
         f"{op}: this host copy came from the one-device get_cpu_copy (stacked layers); a "
         "sharded cache loads copies made by jax_mla_cache.sharding.get_cpu_copy")
   offload.check_host_copy(storage, host_copy, idx, op)
+  if host_copy.origin != layout:
+    # (Checked before any stage runs: a pipeline cache's stages donate one by one.)
+    came = ("a one-device cache" if host_copy.origin is None else
+            f"a {host_copy.origin.kind} cache over devices "
+            f"{host_copy.origin.mesh.device_ids.tolist()}")
+    raise ValueError(
+        f"{op}: the host copy came from {came}, this cache is {layout.kind} over devices "
+        f"{layout.mesh.device_ids.tolist()}: a sharded copy's chunks are laid out for its "
+        "own layout (rows would land permuted); load it into a cache of the same layout")
   if idx.shape[0] == 0:
     return cache
   if layout.kind == "pipeline":
     for stage in _stages(cache):
       view = stage_view(cache, stage)
       layers = layout.stage_layers(stage, storage.config.layer_num)
-      part = dataclasses.replace(host_copy, chunks=host_copy.chunks[layers.start:layers.stop])
+      part = dataclasses.replace(host_copy, chunks=host_copy.chunks[layers.start:layers.stop],
+                                 origin=view.layout)
       cache = with_stage(cache, stage, load_cpu_copy(view, part, _to_stage(view, idx)))
     return cache
   _check_tokens(layout, int(idx.shape[0]), "token_indices", op)

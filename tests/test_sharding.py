@@ -483,3 +483,50 @@ def test_per_layer_sharded_ops_trace_once_for_all_layers(kind):
   for layer, got in enumerate(reads):
     np.testing.assert_allclose(np.asarray(got, np.float32),
                                np.asarray(nope * (layer + 1), np.float32), rtol=1e-2)
+
+
+def test_host_copies_load_only_into_their_own_layout(rng):
+  """A sharded host copy's chunks are laid out for its cache's layout: loaded into another
+  layout (or another device order) its rows landed permuted, silently, and a pipeline load
+  that failed on a later stage had already donated the earlier stages. Now refused before
+  anything runs; the cache stays intact."""
+  devices = jax.devices()[:4]
+  a = sh.init_sharded_cache(PLAIN, layout("replicated", devices))
+  src = np.arange(8, dtype=np.int32) + 10
+  nope, rope = rows_input(rng, 8, 64), rows_input(rng, 8, 16)
+  a = sh.set_mla_kv_buffer(a, 0, src, nope, rope, implementation="xla")
+  want = [np.asarray(x) for x in sh.get_mla_kv_buffer(a, 0, src)]
+  dp = sh.init_sharded_cache(PLAIN, layout("data_parallel", devices))
+  dp_copy = sh.get_cpu_copy(dp, np.arange(8, dtype=np.int32), chunk_size=1)
+  with pytest.raises(ValueError, match="came from a data_parallel cache"):
+    sh.load_cpu_copy(a, dp_copy, src)
+  with pytest.raises(ValueError, match="came from a sharded cache"):
+    mc.load_cpu_copy(mc.init_cache(PLAIN), dp_copy, np.arange(8))
+  # pipeline: the same kind over another device order
+  stages = [devices[0], devices[1], devices[3], devices[2]]
+  p1 = sh.init_sharded_cache(PLAIN, sh.ShardedLayout("pipeline", Mesh(np.array(devices), ("x",)), "x"))
+  p2 = sh.init_sharded_cache(PLAIN, sh.ShardedLayout("pipeline", Mesh(np.array(stages), ("x",)), "x"))
+  p1 = sh.set_mla_kv_buffer(p1, 0, src, nope, rope, implementation="xla")
+  with pytest.raises(ValueError, match="came from a pipeline cache"):
+    sh.load_cpu_copy(p1, sh.get_cpu_copy(p2, src), src)
+  for layer in range(PLAIN.layer_num):
+    sh.get_mla_kv_buffer(p1, layer, src)                         # not donated
+  got = [np.asarray(x) for x in sh.get_mla_kv_buffer(p1, 0, src)]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g.view(np.uint16), w.view(np.uint16))
+  # the same layout still loads
+  a = sh.load_cpu_copy(a, sh.get_cpu_copy(a, src), src + 20)
+  for g, w in zip(sh.get_mla_kv_buffer(a, 0, src + 20), want):
+    np.testing.assert_array_equal(np.asarray(g).view(np.uint16), w.view(np.uint16))
+
+
+def test_arguments_on_other_devices_get_the_ops_message():
+  """A `loc` committed to a device outside the cache's mesh: JAX's ~1,300-character error
+  about a functools.partial became one line naming the op, the mesh and the argument."""
+  devices = jax.devices()
+  cache = sh.init_sharded_cache(PLAIN, layout("data_parallel", devices[:4]))
+  loc = jax.device_put(np.array([3, 9, 17, 25], np.int32), devices[7])
+  with pytest.raises(ValueError, match=r"get_mla_kv_buffer: array arguments must be on the "
+                                       r"cache's mesh devices \[0, 1, 2, 3\].*'loc': \[7\]"):
+    sh.get_mla_kv_buffer(cache, 0, loc, implementation="xla")
+  sh.get_mla_kv_buffer(cache, 0, np.asarray(loc), implementation="xla")   # intact
