@@ -323,6 +323,33 @@ def check_cache(cache: Any, op: str, *, stacked: bool = False) -> None:
                     "cache.unstack(), a copy)")
   if not isinstance(cache, (MLAKVCache, StackedMLAKVCache)):
     raise TypeError(f"{op}: cache must be an MLAKVCache, got {type(cache).__name__}")
+  check_buffers(cache, op)
+
+
+def check_buffers(cache: MLAKVCache | StackedMLAKVCache, op: str) -> None:
+  """ValueError unless the buffers have the shapes and dtypes of `cache.config` (a state
+  built by hand with other buffers would let the kernels, which bound indices by the
+  config, write past a smaller buffer)."""
+  cfg = cache.config
+  want = cfg.buffer_shapes()
+  if isinstance(cache, StackedMLAKVCache):
+    want = tuple(((cfg.layer_num * shape[0], *shape[1:]), dtype) for shape, dtype in want)
+    layers = {"every layer": tuple(cache.buffers)}
+  else:
+    if len(cache.buffers) != cfg.layer_num:
+      raise ValueError(f"{op}: the cache holds {len(cache.buffers)} layers of buffers, its "
+                       f"config layer_num={cfg.layer_num}")
+    layers = {f"layer {l}": tuple(b) for l, b in enumerate(cache.buffers)}
+  for where, buffers in layers.items():
+    got = tuple((tuple(getattr(b, "shape", ())), jnp.dtype(getattr(b, "dtype", None) or
+                                                            np.float64)) for b in buffers)
+    expected = tuple((tuple(shape), jnp.dtype(dtype)) for shape, dtype in want)
+    if got != expected:
+      raise ValueError(
+          f"{op}: the cache's buffers ({where}) are "
+          f"{[f'{d.name}{list(sh)}' for sh, d in got]}, its config needs "
+          f"{[f'{d.name}{list(sh)}' for sh, d in expected]} (a state built by hand must "
+          "match its MLACacheConfig; use init_cache)")
 
 
 def check_layer_id(cache: MLAKVCache | StackedMLAKVCache, layer_id: Any, op: str) -> Any:

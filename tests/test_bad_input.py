@@ -144,3 +144,21 @@ def test_placement_and_pool_arguments_name_themselves():
     mc.MLATokenToKVPool(*pool_args, device="cpu:x")
   with pytest.raises(ValueError, match="offload_chunk_page_num must be a positive int"):
     mc.MLATokenToKVPool(*pool_args, offload_chunk_page_num=0)
+
+
+def test_a_hand_built_state_must_match_its_config():
+  """MLAKVCache(buffers=..., config=...) with other buffers than the config's: the ops
+  raise, naming the buffers (the kernels bound indices by the config: a smaller buffer
+  would have been written past its end on the GPU; XLA dropped the writes silently)."""
+  rows = jnp.zeros((100, 1, 576), jnp.bfloat16)
+  nope, rope = jnp.ones((1, 1, 512), jnp.bfloat16), jnp.ones((1, 1, 64), jnp.bfloat16)
+  for buffers, message in ((((rows,),) * 2, r"layer 0\) are \['bfloat16\[100, 1, 576\]'\]"),
+                           (((jnp.zeros((208, 1, 576), jnp.float16),),) * 2, "float16"),
+                           (((jnp.zeros((208, 1, 576), jnp.bfloat16),),), "holds 1 layers")):
+    cache = mc.MLAKVCache(buffers=buffers, config=mc.SMALL)
+    with pytest.raises(ValueError, match=message):
+      mc.set_mla_kv_buffer(cache, 0, np.array([150]), nope, rope, implementation="xla")
+  stacked = mc.init_cache(mc.SMALL, stacked=True)
+  bad = mc.StackedMLAKVCache(buffers=(stacked.buffers[0][:300],), config=mc.SMALL)
+  with pytest.raises(ValueError, match="every layer"):
+    mc.get_mla_kv_buffer(bad, 0, np.array([1]), implementation="xla")
