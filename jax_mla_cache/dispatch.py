@@ -289,8 +289,11 @@ def on_layer(core: Callable, cache: Any, layer_id: Any, *args, pages_at: int | N
       args[0] = cache.layer_rows(layer_id, check_loc(args[0], "loc", op))
     else:
       args[pages_at] = cache.layer_pages(layer_id, args[pages_at])
-  return with_layer_results(cache, layer_id, core(cache.layer_view(layer_id), 0, *args,
-                                                  **kwargs))
+  view = cache.layer_view(layer_id)
+  if isinstance(view, MLAKVCache):   # (a sharded view is checked shard by shard)
+    check_buffers(view, getattr(core, "__name__", "op").lstrip("_"),
+                  "every layer" if isinstance(cache, StackedMLAKVCache) else f"layer {layer_id}")
+  return with_layer_results(cache, layer_id, core(view, 0, *args, **kwargs))
 
 
 def _on_every_layer(jitted: Callable, cache: StackedMLAKVCache,
@@ -323,33 +326,44 @@ def check_cache(cache: Any, op: str, *, stacked: bool = False) -> None:
                     "cache.unstack(), a copy)")
   if not isinstance(cache, (MLAKVCache, StackedMLAKVCache)):
     raise TypeError(f"{op}: cache must be an MLAKVCache, got {type(cache).__name__}")
-  check_buffers(cache, op)
+  if isinstance(cache, MLAKVCache) and len(cache.buffers) != cache.config.layer_num:
+    raise ValueError(f"{op}: the cache holds {len(cache.buffers)} layers of buffers, its "
+                     f"config layer_num={cache.config.layer_num}")
 
 
-def check_buffers(cache: MLAKVCache | StackedMLAKVCache, op: str) -> None:
+@functools.lru_cache(maxsize=64)
+def _expected_buffers(config, stacked: bool) -> tuple[tuple[tuple[int, ...], np.dtype], ...]:
+  """(shape, dtype) of each buffer of one layer of `config` (a stacked cache: of the one
+  buffer per plane that holds every layer)."""
+  rows = config.layer_num if stacked else 1
+  return tuple(((rows * shape[0], *shape[1:]), jnp.dtype(dtype))
+               for shape, dtype in config.buffer_shapes())
+
+
+def check_buffers(cache: MLAKVCache | StackedMLAKVCache, op: str,
+                  where: str | None = None) -> None:
   """ValueError unless the buffers have the shapes and dtypes of `cache.config` (a state
   built by hand with other buffers would let the kernels, which bound indices by the
-  config, write past a smaller buffer)."""
+  config, write past a smaller buffer). Run where an op touches the buffers, on what it
+  touches: `on_layer` checks the one layer's view of a per-layer op, the moves and the
+  host tier every layer (their work is per layer anyway), after `check_cache`, which only
+  counts the layers: a 61-layer check on every eager per-layer call cost ~0.1-0.3 ms."""
   cfg = cache.config
-  want = cfg.buffer_shapes()
-  if isinstance(cache, StackedMLAKVCache):
-    want = tuple(((cfg.layer_num * shape[0], *shape[1:]), dtype) for shape, dtype in want)
-    layers = {"every layer": tuple(cache.buffers)}
-  else:
-    if len(cache.buffers) != cfg.layer_num:
-      raise ValueError(f"{op}: the cache holds {len(cache.buffers)} layers of buffers, its "
-                       f"config layer_num={cfg.layer_num}")
-    layers = {f"layer {l}": tuple(b) for l, b in enumerate(cache.buffers)}
-  for where, buffers in layers.items():
-    got = tuple((tuple(getattr(b, "shape", ())), jnp.dtype(getattr(b, "dtype", None) or
-                                                            np.float64)) for b in buffers)
-    expected = tuple((tuple(shape), jnp.dtype(dtype)) for shape, dtype in want)
-    if got != expected:
-      raise ValueError(
-          f"{op}: the cache's buffers ({where}) are "
-          f"{[f'{d.name}{list(sh)}' for sh, d in got]}, its config needs "
-          f"{[f'{d.name}{list(sh)}' for sh, d in expected]} (a state built by hand must "
-          "match its MLACacheConfig; use init_cache)")
+  stacked = isinstance(cache, StackedMLAKVCache)
+  want = _expected_buffers(cfg, stacked)
+  layers = (tuple(cache.buffers),) if stacked else cache.buffers   # (counted: check_cache)
+  for l, buffers in enumerate(layers):
+    if len(buffers) == len(want) and all(
+        getattr(b, "shape", None) == shape and getattr(b, "dtype", None) == dtype
+        for b, (shape, dtype) in zip(buffers, want)):
+      continue
+    where = where or ("every layer" if stacked else f"layer {l}")
+    got = [f"{getattr(b, 'dtype', type(b).__name__)}{list(getattr(b, 'shape', ()))}"
+           for b in buffers]
+    raise ValueError(
+        f"{op}: the cache's buffers ({where}) are {got}, its config needs "
+        f"{[f'{d.name}{list(sh)}' for sh, d in want]} (a state built by hand must match "
+        "its MLACacheConfig; use init_cache)")
 
 
 def check_layer_id(cache: MLAKVCache | StackedMLAKVCache, layer_id: Any, op: str) -> Any:
@@ -599,6 +613,7 @@ def _move_kv_cache(
   """
   op = "move_kv_cache"
   check_cache(cache, op)
+  check_buffers(cache, op)
   tgt, src = check_pair(tgt_loc, src_loc, op)
   if tgt.shape[0] == 0:
     return cache
@@ -627,6 +642,7 @@ def _move_kv_pages(
   """
   op = "move_kv_pages"
   check_cache(cache, op)
+  check_buffers(cache, op)
   tgt, src = check_pair(tgt_pages, src_pages, op, ("tgt_pages", "src_pages"))
   if tgt.shape[0] == 0:
     return cache

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mla_cache import reference
-from jax_mla_cache.dispatch import check_cache, check_loc, host_indices
+from jax_mla_cache.dispatch import check_buffers, check_cache, check_loc, host_indices
 from jax_mla_cache.state import MLAKVCache, StackedMLAKVCache
 
 OFFLOAD_CHUNK_TOKENS = 1024
@@ -179,6 +179,7 @@ def get_cpu_copy(
   """
   op = "get_cpu_copy"
   check_cache(cache, op, stacked=True)
+  check_buffers(cache, op)
   idx = check_token_indices(token_indices, "token_indices", op)
   if chunk_size <= 0:
     raise ValueError(f"{op}: chunk_size must be positive, got {chunk_size}")
@@ -322,6 +323,7 @@ def load_cpu_copy(
   """
   op = "load_cpu_copy"
   check_cache(cache, op, stacked=True)
+  check_buffers(cache, op)
   idx = check_token_indices(token_indices, "token_indices", op)
   check_host_copy(cache, host_copy, idx, op)
   if host_copy.origin is not None:
