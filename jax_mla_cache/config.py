@@ -27,6 +27,13 @@ MODEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.f
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
+def check_positive_int(value: Any, name: str) -> int:
+  """`value` as an int >= 1 (a bool is not one), or a ValueError naming `name`."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+    raise ValueError(f"{name} must be a positive int, got {value!r}")
+  return int(value)
+
+
 def _as_dtype(value: Any, name: str) -> np.dtype:
   try:
     return jnp.dtype(value)

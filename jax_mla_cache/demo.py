@@ -89,10 +89,17 @@ def _parse(argv: list[str], on_gpu: bool) -> argparse.Namespace:
                       default=on_gpu,
                       help="also time a decode step with the other attention and write")
   args = parser.parse_args(argv)
-  for name in ("layers", "steps", "batch", "prompt_len", "op_iters"):
-    if getattr(args, name) < 1:
-      parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  _require_positive(parser, args, ("layers", "steps", "batch", "prompt_len", "op_iters"))
   return args
+
+
+def _require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                      names: tuple[str, ...]) -> None:
+  """argparse's error unless each option `names` (attribute names) is >= 1 or unset."""
+  for name in names:
+    value = getattr(args, name)
+    if value is not None and value < 1:
+      parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
 def cache_config(args: argparse.Namespace, on_gpu: bool) -> mc.MLACacheConfig:
@@ -371,10 +378,8 @@ def _parse_deepseek(argv: list[str], on_gpu: bool) -> argparse.Namespace:
   missing is an error before anything runs; the default fixture may be absent)."""
   parser = _deepseek_parser(on_gpu)
   args = parser.parse_args(argv)
-  for name in ("layers", "batch", "prompt_len", "steps", "iters"):
-    value = getattr(args, f"deepseek_{name}")
-    if value is not None and value < 1:
-      parser.error(f"--deepseek-{name.replace('_', '-')} must be >= 1, got {value}")
+  _require_positive(parser, args, ("deepseek_layers", "deepseek_batch", "deepseek_prompt_len",
+                                   "deepseek_steps", "deepseek_iters"))
   path = args.deepseek_checkpoint
   if path != DEEPSEEK_FIXTURE and not os.path.isfile(os.path.join(path, "config.json")):
     parser.error(f"--deepseek-checkpoint: no config.json in {path}")

@@ -48,6 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mla_cache.config import check_positive_int
+
 F32 = jnp.float32
 
 
@@ -62,10 +64,7 @@ def _check_rotary_dim(rotary_dim: int) -> int:
 def _table(inv_freq: np.ndarray, max_position: int, scale: float = 1.0) -> np.ndarray:
   """(max_position, 2 * len(inv_freq)) float32 [cos | sin] of positions x inv_freq, in
   float32 arithmetic as the PyTorch engines compute it."""
-  if isinstance(max_position, bool) or not isinstance(max_position, (int, np.integer)) \
-      or max_position <= 0:
-    raise ValueError(f"max_position must be a positive int, got {max_position!r}")
-  t = np.arange(int(max_position), dtype=np.float32)
+  t = np.arange(check_positive_int(max_position, "max_position"), dtype=np.float32)
   freqs = np.outer(t, inv_freq.astype(np.float32)).astype(np.float32)
   cos = (np.cos(freqs) * np.float32(scale)).astype(np.float32)
   sin = (np.sin(freqs) * np.float32(scale)).astype(np.float32)
@@ -158,11 +157,7 @@ def deepseek_softmax_scale(qk_head_dim: int, rope_scaling: Mapping[str, Any] | N
 
   `qk_head_dim = qk_nope_head_dim + qk_rope_head_dim` (192 for DeepSeek-V3).
   """
-  if isinstance(qk_head_dim, bool) or not isinstance(qk_head_dim, (int, np.integer)) \
-      or qk_head_dim <= 0:
-    raise ValueError(f"deepseek_softmax_scale: qk_head_dim must be a positive int, got "
-                     f"{qk_head_dim!r}")
-  scale = qk_head_dim ** -0.5
+  scale = check_positive_int(qk_head_dim, "deepseek_softmax_scale: qk_head_dim") ** -0.5
   if rope_scaling:
     mscale_all_dim = float(rope_scaling.get("mscale_all_dim", 0) or 0)
     if mscale_all_dim:
@@ -181,12 +176,8 @@ def cos_sin_cache_from_hf_config(config: Mapping[str, Any], max_position: int | 
   """
   rotary_dim = int(config["qk_rope_head_dim"])
   base = float(config.get("rope_theta", 10000.0))
-  if max_position is None:
+  if max_position is None:       # (checked by the table, as given: 2.7 is not 2 rows)
     max_position = config["max_position_embeddings"]
-  if isinstance(max_position, bool) or not isinstance(max_position, (int, np.integer)) \
-      or max_position <= 0:
-    raise ValueError(f"max_position must be None or a positive int, got {max_position!r}")
-  max_position = int(max_position)
   scaling = config.get("rope_scaling")
   if not scaling:
     return rope_cos_sin_cache(max_position, rotary_dim, base)

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from jax_mla_cache import attention, dispatch, offload, rope_write
-from jax_mla_cache.config import MLACacheConfig
+from jax_mla_cache.config import MLACacheConfig, check_positive_int
 from jax_mla_cache.state import MLAKVCache, init_cache
 
 logger = logging.getLogger(__name__)
@@ -117,11 +117,8 @@ class MLATokenToKVPool:
     self.implementation = implementation  # None keeps the fall-through to XLA per call
     self.debug_checks = debug_checks
     self.sanitize = bool(sanitize)
-    if isinstance(offload_chunk_page_num, bool) or not isinstance(
-        offload_chunk_page_num, (int, np.integer)) or offload_chunk_page_num < 1:
-      raise ValueError(f"offload_chunk_page_num must be a positive int, got "
-                       f"{offload_chunk_page_num!r}")
-    self.offload_chunk_page_num = int(offload_chunk_page_num)
+    self.offload_chunk_page_num = check_positive_int(offload_chunk_page_num,
+                                                     "offload_chunk_page_num")
     self.layer_transfer_counter: LayerTransferCounter | None = None
     self.device = _resolve_device(device, rank)
     if self.device is not None and sharding is not None:

@@ -540,15 +540,11 @@ def test_rope_set_takes_a_list_table(rng):
   table = rope.rope_cos_sin_cache(40, 16)
   args = _rope_args(rng, 2)
   loc, pos = np.array([3, 4]), np.array([1, 2**32 + 1], np.int64)
-  got = mc.rope_set_mla_kv_buffer(mc.init_cache(mc.SMALL.replace(size=120, page_size=8,
-                                                                 kv_lora_rank=64,
-                                                                 qk_rope_head_dim=16)),
-                                  0, loc, pos, *args, table.tolist(), implementation="xla")[1]
-  want = mc.rope_set_mla_kv_buffer(mc.init_cache(mc.SMALL.replace(size=120, page_size=8,
-                                                                  kv_lora_rank=64,
-                                                                  qk_rope_head_dim=16)),
-                                   0, loc, np.array([1, 39], np.int32), *args, table,
-                                   implementation="xla")[1]
+  cfg = mc.SMALL.replace(size=120, page_size=8, kv_lora_rank=64, qk_rope_head_dim=16)
+  got = mc.rope_set_mla_kv_buffer(mc.init_cache(cfg), 0, loc, pos, *args, table.tolist(),
+                                  implementation="xla")[1]
+  want = mc.rope_set_mla_kv_buffer(mc.init_cache(cfg), 0, loc, np.array([1, 39], np.int32),
+                                   *args, table, implementation="xla")[1]
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 

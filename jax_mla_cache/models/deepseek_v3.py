@@ -86,7 +86,7 @@ import numpy as np
 from jax_mla_cache import dispatch
 from jax_mla_cache.attention import mla_decode, mla_decode_reference, positions_rows
 from jax_mla_cache.rope_write import rope_set_mla_kv_buffer
-from jax_mla_cache.config import MLACacheConfig
+from jax_mla_cache.config import MLACacheConfig, check_positive_int
 from jax_mla_cache.models.mla_demo import rms_norm, token_slots
 from jax_mla_cache.rope import apply_rope, cos_sin_cache_from_hf_config, deepseek_softmax_scale
 from jax_mla_cache.state import MLAKVCache
@@ -376,10 +376,8 @@ def load_checkpoint(
   dtype = jnp.dtype(dtype)
   if dtype not in WEIGHT_DTYPES:
     raise TypeError(f"load_checkpoint: dtype must be float32, bfloat16 or float16, got {dtype}")
-  if max_position is not None and (isinstance(max_position, bool) or not isinstance(
-      max_position, (int, np.integer)) or max_position <= 0):
-    raise ValueError(f"load_checkpoint: max_position must be None or a positive int, got "
-                     f"{max_position!r}")
+  if max_position is not None:    # (before any weight is read)
+    check_positive_int(max_position, "load_checkpoint: max_position")
   config_path = os.path.join(path, "config.json")
   with open(config_path) as f:
     try:

@@ -432,7 +432,7 @@ def prefill(
   B, S = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
   slots = token_slots(page_table, positions, params.config.cache.page_size,
-                          params.config.cache.rows // params.config.cache.page_size)
+                      params.config.cache.rows // params.config.cache.page_size)
   write_loc = jnp.where(positions < lengths[:, None], slots, 0)
   logits, cache = forward(params, cache, tokens, positions, write_loc, page_table, implementation)
   last = jnp.take_along_axis(logits, jnp.clip(lengths - 1, 0, S - 1)[:, None, None], axis=1)
